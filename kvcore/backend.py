@@ -1,0 +1,79 @@
+"""The runtime contract of a backend instance: what a plan hands it and what it must do.
+
+A backend receives a :class:`TransferJob` whose indices are already validated and placed as
+its chosen :class:`~kvcore.capabilities.OpSupport` variant declared. It enqueues the transfer
+on ``job.stream`` (or runs it synchronously when ``job.stream`` is None, as on CPU) and
+returns. It never moves indices itself and never chooses another variant.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+import attrs
+import torch
+
+from kvcore.capabilities import HostMemory, OpSupport
+from kvcore.layout import ByteStrides, Geometry, Kind, Layout, Op
+
+if TYPE_CHECKING:
+    from kvcore.pools import DevicePool
+
+
+@attrs.frozen
+class TransferJob:
+    """One validated, placed transfer. ``layer`` is set for LOAD_LAYER only."""
+
+    op: Op
+    support: OpSupport
+    device_pool: DevicePool
+    host_buffer: torch.Tensor
+    host_geometry: Geometry
+    host_strides: ByteStrides
+    host_indices: torch.Tensor
+    device_indices: torch.Tensor
+    layer: int | None = None
+    stream: Any = None
+
+    @property
+    def kind(self) -> Kind:
+        return self.host_geometry.kind
+
+    @property
+    def layout(self) -> Layout:
+        return self.host_geometry.layout
+
+    @property
+    def layers(self) -> range:
+        """The layers this job moves."""
+        if self.layer is None:
+            return range(self.host_geometry.num_layers)
+        return range(self.layer, self.layer + 1)
+
+
+class Completion(Protocol):
+    """Reports the outcome of an asynchronous transfer once its stream work finished."""
+
+    def check(self) -> None:
+        """Raise if the transfer failed; return None if it succeeded."""
+        ...
+
+
+@runtime_checkable
+class TransferBackend(Protocol):
+    """What a :class:`~kvcore.capabilities.BackendSpec` factory returns."""
+
+    def allocate_host(self, shape: tuple[int, ...], dtype: torch.dtype,
+                      ) -> tuple[torch.Tensor, HostMemory]:
+        """Allocate a host buffer its kernels may dereference; say what memory it is."""
+        ...
+
+    def run(self, job: TransferJob) -> Completion | None:
+        """Enqueue (or perform) the transfer described by ``job``.
+
+        Raise at once for failures known at submission. A backend whose failures can only be
+        known later returns a :class:`Completion`; the controller calls its ``check()`` once
+        the transfer's stream event completed and never acknowledges a transfer whose check
+        raised. Raise :class:`kvcore.errors.DeviceFault` when the device can no longer be used.
+        """
+        ...

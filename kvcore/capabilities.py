@@ -1,0 +1,178 @@
+"""What a backend declares about itself, readable without loading its native code.
+
+A plugin registers a :class:`BackendSpec`: a frozen :class:`Capabilities` record (identity,
+availability probe, one :class:`OpSupport` per operation variant, host memory) and a factory
+that builds the backend only when a plan needs it. The controller derives index placement
+from these records and nothing else.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import attrs
+import torch
+
+from kvcore.layout import Kind, Layout, Op
+
+if TYPE_CHECKING:
+    from kvcore.backend import TransferBackend
+
+#: The kvcore API version this core implements. A backend built for another is refused.
+API_VERSION = 1
+
+
+class Residency(str, enum.Enum):
+    """Where an index tensor must live when the kernel runs."""
+
+    HOST = "host"  # CPU memory
+    DEVICE = "device"  # the device pool's device
+
+
+class HostMemory(str, enum.Enum):
+    """How host buffers are allocated so the backend's kernels can use them."""
+
+    PINNED = "pinned"  # page-locked, device address == host address (cudaHostAlloc, hipHostMalloc)
+    REGISTERED = "registered"  # registered after allocation; kernels get the mapped pointer
+    PLAIN = "plain"  # pageable memory; only for backends that never dereference it on a device
+
+
+@attrs.frozen
+class Available:
+    """The backend can run here."""
+
+    detail: str = ""
+
+    def __bool__(self) -> bool:
+        return True
+
+
+@attrs.frozen
+class Unavailable:
+    """The backend cannot run here, and why (concrete: what is missing, what was found)."""
+
+    reason: str
+
+    def __bool__(self) -> bool:
+        return False
+
+
+Availability = Available | Unavailable
+
+INDEX_DTYPES = frozenset({torch.int32, torch.int64})
+
+
+@attrs.frozen
+class IndexSpec:
+    """Residency and accepted dtypes of one index tensor. ``dtypes[0]`` is preferred."""
+
+    residency: Residency
+    dtypes: tuple[torch.dtype, ...] = (torch.int64, torch.int32)
+
+    def __attrs_post_init__(self) -> None:
+        if not self.dtypes or not set(self.dtypes) <= INDEX_DTYPES:
+            raise ValueError(f"IndexSpec.dtypes must be a non-empty subset of int32/int64, "
+                             f"got {self.dtypes}")
+
+
+@attrs.frozen
+class OpSupport:
+    """One implementation variant of one operation.
+
+    A backend may declare several variants for the same (op, kind, layout), for example a
+    staged write-back for large pages and a direct one for small pages; the plan picks one per
+    call by ``page_bytes`` (bytes of one page of K or V over the layers the op moves) using the
+    half-open window [min_page_bytes, max_page_bytes), and then places indices and runs with
+    that same variant.
+    """
+
+    op: Op
+    kinds: frozenset[Kind]
+    layouts: frozenset[Layout]
+    host_index: IndexSpec
+    device_index: IndexSpec
+    variant: str = "default"
+    dtypes: frozenset[torch.dtype] | None = None  # None: any dtype
+    element_alignment: int = 1  # element bytes must be a multiple of this
+    contiguous_pages: bool = False  # needs each host page (per K/V) to be one contiguous run
+    staged: bool = False
+    staging_bytes: int = 0  # device staging memory the variant holds (0 when not staged)
+    batched_memcpy: bool = False  # uses a batched memcpy entry point when the runtime has it
+    min_page_bytes: int = 0
+    max_page_bytes: int | None = None
+
+    def covers(self, op: Op, kind: Kind, layout: Layout) -> bool:
+        return op is self.op and kind in self.kinds and layout in self.layouts
+
+    def refusal(self, dtype: torch.dtype, element_bytes: int) -> str | None:
+        """Why this variant cannot serve the dtype/element size, or None when it can."""
+        if self.dtypes is not None and dtype not in self.dtypes:
+            names = ", ".join(sorted(str(d).removeprefix("torch.") for d in self.dtypes))
+            return f"dtype {str(dtype).removeprefix('torch.')} not in ({names})"
+        if element_bytes % self.element_alignment:
+            return (f"element of {element_bytes} B is not a multiple of "
+                    f"{self.element_alignment} B")
+        return None
+
+    def fits_page(self, page_bytes: int) -> bool:
+        upper = self.max_page_bytes is None or page_bytes < self.max_page_bytes
+        return self.min_page_bytes <= page_bytes and upper
+
+
+def op_support(op: Op, kinds: object, layouts: object, host: Residency, device: Residency,
+               **kw: object) -> OpSupport:
+    """Shorthand for declaring an :class:`OpSupport` (kinds/layouts: one value or iterable)."""
+
+    def as_set(v: object, cls: type) -> frozenset:
+        return frozenset([v]) if isinstance(v, cls) else frozenset(v)  # type: ignore[arg-type]
+
+    return OpSupport(op=op, kinds=as_set(kinds, Kind), layouts=as_set(layouts, Layout),
+                     host_index=IndexSpec(host), device_index=IndexSpec(device),
+                     **kw)  # type: ignore[arg-type]
+
+
+@attrs.frozen
+class Capabilities:
+    """Static description of a backend. Constructing it must not load native code."""
+
+    name: str
+    version: str
+    api_version: int
+    platform: str  # "cuda", "rocm", "cpu", "any", or another label
+    priority: int
+    probe: Callable[[], Availability] = attrs.field(eq=False, repr=False)
+    ops: tuple[OpSupport, ...]
+    host_memory: HostMemory
+    device_types: frozenset[str] | None = None  # torch device types it runs on; None: any
+    description: str = ""
+
+    def supports_device(self, device: torch.device) -> bool:
+        return self.device_types is None or device.type in self.device_types
+
+    def variants(self, op: Op, kind: Kind, layout: Layout) -> tuple[OpSupport, ...]:
+        return tuple(s for s in self.ops if s.covers(op, kind, layout))
+
+
+@attrs.frozen
+class BackendSpec:
+    """What a plugin registers: capabilities plus a factory called only when a plan needs it."""
+
+    capabilities: Capabilities
+    factory: Callable[[torch.device], TransferBackend] = attrs.field(eq=False, repr=False)
+
+    @property
+    def name(self) -> str:
+        return self.capabilities.name
+
+
+def safe_probe(caps: Capabilities) -> Availability:
+    """Run a probe; a probe that raises is reported as Unavailable, never propagated."""
+    try:
+        result = caps.probe()
+    except Exception as exc:  # noqa: BLE001 - probing never raises, by contract
+        return Unavailable(f"availability probe raised {type(exc).__name__}: {exc}")
+    if not isinstance(result, (Available, Unavailable)):
+        return Unavailable(f"availability probe returned {result!r}, not Available/Unavailable")
+    return result

@@ -1,0 +1,409 @@
+"""HiCacheController: queues write-backs and per-layer loads between a device and a host pool.
+
+Plans are resolved and checked against the real tensors at construction, so a wrong
+combination fails at start-up, not at the first prefill. Transfers run on a dedicated write
+stream and load stream where the device has streams (synchronously on CPU). A write is
+acknowledged only after it completed; a failed transfer raises a typed error, releases the
+host pages it took and is never acknowledged.
+
+Example::
+
+    ctl = HiCacheController(device_pool, host_pool)          # resolves the best backend
+    w = ctl.write(device_indices)                            # host pages allocated here
+    ctl.wait_acks()                                          # -> [WriteAck(...)]
+    h = ctl.load(w.host_indices, new_device_indices)
+    h.wait_layer(0)                                          # current stream waits for layer 0
+"""
+
+from __future__ import annotations
+
+import collections
+import enum
+import itertools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import attrs
+import torch
+
+from kvcore.capabilities import HostMemory
+from kvcore.errors import (
+    ControllerUnusable,
+    DeviceFault,
+    InvalidArgument,
+    TensorMismatch,
+    TransferFailed,
+)
+from kvcore.layout import Op, parse_enum
+from kvcore.plan import TransferPlan
+from kvcore.pools import DevicePool, HostPool
+from kvcore.registry import Registry, default_registry, make_request
+from kvcore.streams import current_stream, new_event, new_stream, on_stream
+from kvcore.validate import check_index_tensor
+
+
+class WritePolicy(str, enum.Enum):
+    """When a page is backed up to the host."""
+
+    WRITE_THROUGH = "write_through"  # on first insert
+    WRITE_THROUGH_SELECTIVE = "write_through_selective"  # on the second hit
+    WRITE_BACK = "write_back"  # on eviction from the device
+
+
+class CacheEvent(str, enum.Enum):
+    INSERT = "insert"
+    HIT = "hit"
+    EVICT = "evict"
+
+
+def should_back_up(policy: WritePolicy, event: CacheEvent, hits: int,
+                   selective_threshold: int = 2) -> bool:
+    """The write policy's rule, in one place."""
+    if policy is WritePolicy.WRITE_THROUGH:
+        return event is CacheEvent.INSERT
+    if policy is WritePolicy.WRITE_THROUGH_SELECTIVE:
+        return event is CacheEvent.HIT and hits == selective_threshold
+    return event is CacheEvent.EVICT
+
+
+@attrs.frozen
+class PoolPair:
+    """One member of a pool group: a device pool and the host pool that backs it."""
+
+    device: DevicePool
+    host: HostPool
+
+
+@attrs.frozen
+class WriteAck:
+    """A completed write-back: these device pages are now backed up at ``host_indices``."""
+
+    id: int
+    host_indices: torch.Tensor
+    device_indices: torch.Tensor
+
+
+@attrs.define
+class _PendingWrite:
+    ack: WriteAck
+    event: Any
+    completions: list[Any]
+    owns_host: bool
+
+
+class LoadHandle:
+    """A queued load. ``wait_layer(i)`` makes the current stream wait for layer ``i`` only."""
+
+    def __init__(self, events: list[Any], completions: list[Any], device: torch.device,
+                 on_failure: Callable[[BaseException], None]) -> None:
+        self._events = events
+        self._completions = completions
+        self._device = device
+        self._on_failure = on_failure
+        self._checked = False
+
+    @property
+    def num_layers(self) -> int:
+        return len(self._events)
+
+    def wait_layer(self, layer: int) -> None:
+        """Order the current stream after layer ``layer``'s load (returns at once on GPU)."""
+        if not 0 <= layer < len(self._events):
+            raise InvalidArgument("layer", f"an int in [0, {len(self._events)})", repr(layer))
+        event = self._events[layer]
+        if event is not None:
+            current_stream(self._device).wait_event(event)
+
+    def done(self) -> bool:
+        """True when every layer has landed (raises TransferFailed if one failed)."""
+        finished = all(e is None or e.query() for e in self._events)
+        if finished:
+            self._check()
+        return finished
+
+    def wait(self) -> None:
+        """Block the host until every layer has landed (raises TransferFailed on failure)."""
+        for e in self._events:
+            if e is not None:
+                e.synchronize()
+        self._check()
+
+    def _check(self) -> None:
+        if self._checked:
+            return
+        self._checked = True
+        for c in self._completions:
+            try:
+                c.check()
+            except Exception as exc:  # noqa: BLE001
+                self._on_failure(exc)
+                raise TransferFailed(f"load failed at completion: {exc}", exc) from exc
+
+
+class HiCacheController:
+    """Moves KV pages between device pools and host pools with resolved transfer plans.
+
+    Args:
+        device_pool: the device pool (or the first member of a group, see ``members``).
+        host_pool: the host pool backing it.
+        write_policy: write_through, write_through_selective or write_back.
+        backend: force a backend by name (else KVCORE_BACKEND, else priority order).
+        members: extra (device_pool, host_pool) pairs of a pool group; each resolves its own
+            plans and all share the first host pool's slot allocator.
+        verify: run a one-page round trip against the reference backend at construction.
+        process_group: a torch.distributed group whose ranks must resolve identical plans.
+        registry: the registry to resolve in (default: the process-wide one).
+    """
+
+    def __init__(self, device_pool: DevicePool, host_pool: HostPool,
+                 write_policy: WritePolicy | str = WritePolicy.WRITE_THROUGH,
+                 backend: str | None = None, *,
+                 members: Sequence[tuple[DevicePool, HostPool]] = (),
+                 verify: bool = False, selective_threshold: int = 2,
+                 process_group: Any = None, agreement_timeout_s: float = 60.0,
+                 registry: Registry | None = None) -> None:
+        self.write_policy = parse_enum(WritePolicy, write_policy, "write_policy")
+        self.selective_threshold = selective_threshold
+        self.members = [PoolPair(device_pool, host_pool)] + [PoolPair(d, h) for d, h in members]
+        self.registry = registry or default_registry()
+        self.device = device_pool.device
+        for i, m in enumerate(self.members):
+            _check_pair(i, m, self.members[0])
+        self.plans: dict[tuple[int, Op], TransferPlan] = {}
+        for i, m in enumerate(self.members):
+            for op in Op:
+                plan = self.registry.resolve(make_request(
+                    op, m.host.geometry.kind, m.host.geometry.layout, m.device.dtype,
+                    m.device.element_bytes, m.device.device), backend)
+                _check_plan_against_pools(plan, m)
+                self.plans[(i, op)] = plan
+        self.allocator = host_pool.allocator
+        self.process_group = process_group
+        if process_group is not None:
+            from kvcore.distributed import agree_on_plans
+
+            agree_on_plans(self.plan_facts(), process_group, agreement_timeout_s)
+        if verify:
+            from kvcore.verify import verify_plans
+
+            verify_plans(self)
+        self.write_stream = new_stream(self.device)
+        self.load_stream = new_stream(self.device)
+        self._pending: collections.deque[_PendingWrite] = collections.deque()
+        self._ids = itertools.count()
+        self._unusable: BaseException | None = None
+        self.completed_writes = 0
+
+    # -- introspection ---------------------------------------------------------------------
+
+    def plan(self, op: Op | str, member: int = 0) -> TransferPlan:
+        """The plan that runs ``op`` for pool-group member ``member``."""
+        return self.plans[(member, parse_enum(Op, op, "op"))]  # type: ignore[index]
+
+    def plan_facts(self) -> list[dict[str, object]]:
+        """Every member's plans as plain data (what tensor-parallel ranks must agree on)."""
+        return [dict(member=i, **p.describe()) for (i, _), p in sorted(
+            self.plans.items(), key=lambda kv: (kv[0][0], kv[0][1].value))]
+
+    @property
+    def usable(self) -> bool:
+        return self._unusable is None
+
+    # -- write-back ------------------------------------------------------------------------
+
+    def write(self, device_indices: torch.Tensor,
+              host_indices: torch.Tensor | None = None) -> WriteAck:
+        """Queue a write-back of all layers of ``device_indices``; returns its pending ack.
+
+        Host pages are allocated here unless ``host_indices`` is given. The returned record
+        is a promise: pages count as backed up only once :meth:`poll_acks` or
+        :meth:`wait_acks` returns it.
+        """
+        self._check_usable()
+        d = check_index_tensor("device_indices", device_indices, "write")
+        owns = host_indices is None
+        h = self.allocator.alloc(d.numel()) if owns else check_index_tensor(
+            "host_indices", host_indices, "write")
+        ack = WriteAck(next(self._ids), h, d)
+        completions: list[Any] = []
+        try:
+            event = self._enqueue(Op.WRITE_BACK, self.write_stream, h, d, None, completions)
+        except BaseException as exc:
+            if owns:
+                self.allocator.free(h)
+            raise self._failure("write-back", exc) from exc
+        self._pending.append(_PendingWrite(ack, event, completions, owns))
+        return ack
+
+    def on_cache_event(self, event: CacheEvent | str, device_indices: torch.Tensor,
+                       hits: int = 0) -> WriteAck | None:
+        """Apply the write policy to a radix-cache event; queue a write-back if it says so."""
+        ev = parse_enum(CacheEvent, event, "event")
+        if should_back_up(self.write_policy, ev, hits, self.selective_threshold):  # type: ignore[arg-type]
+            return self.write(device_indices)
+        return None
+
+    def poll_acks(self) -> list[WriteAck]:
+        """Completed write-backs, in submission order, without blocking."""
+        return self._drain(block=False)
+
+    def wait_acks(self) -> list[WriteAck]:
+        """Block until every queued write-back completed; return their acks."""
+        return self._drain(block=True)
+
+    @property
+    def pending_writes(self) -> int:
+        return len(self._pending)
+
+    def free_host(self, host_indices: torch.Tensor) -> None:
+        """Release host pages (eviction from the host tier)."""
+        self.allocator.free(host_indices)
+
+    def _drain(self, block: bool) -> list[WriteAck]:
+        done: list[WriteAck] = []
+        while self._pending:
+            p = self._pending[0]
+            if p.event is not None:
+                if block:
+                    p.event.synchronize()
+                elif not p.event.query():
+                    break
+            self._pending.popleft()
+            try:
+                for c in p.completions:
+                    c.check()
+            except Exception as exc:  # noqa: BLE001
+                if p.owns_host:
+                    self.allocator.free(p.ack.host_indices)
+                self._record_fault(exc)
+                raise TransferFailed(
+                    f"write-back {p.ack.id} failed at completion; its "
+                    f"{p.ack.host_indices.numel()} host slots were released: {exc}", exc) from exc
+            done.append(p.ack)
+        done = self._agree_acks(done)
+        self.completed_writes += len(done)
+        return done
+
+    def _agree_acks(self, done: list[WriteAck]) -> list[WriteAck]:
+        if self.process_group is None:
+            return done
+        from kvcore.distributed import min_across_ranks
+
+        keep = min_across_ranks(self.completed_writes + len(done), self.process_group)
+        keep -= self.completed_writes
+        for ack in reversed(done[keep:]):  # not yet done everywhere: report them later
+            self._pending.appendleft(_PendingWrite(ack, None, [], False))
+        return done[:keep]
+
+    # -- load ------------------------------------------------------------------------------
+
+    def load(self, host_indices: torch.Tensor, device_indices: torch.Tensor,
+             all_layers: bool = False) -> LoadHandle:
+        """Queue a load of host pages into ``device_indices``, layer by layer.
+
+        Returns a handle whose ``wait_layer(i)`` orders the current stream after layer i.
+        ``all_layers=True`` uses the all-layer (prefetch) operation: one event for all.
+        """
+        self._check_usable()
+        h = check_index_tensor("host_indices", host_indices, "load")
+        d = check_index_tensor("device_indices", device_indices, "load")
+        n_layers = self.members[0].host.geometry.num_layers
+        events: list[Any] = []
+        completions: list[Any] = []
+        try:
+            if all_layers:
+                ev = self._enqueue(Op.LOAD_ALL, self.load_stream, h, d, None, completions)
+                events = [ev] * n_layers
+            else:
+                self._check_all(Op.LOAD_LAYER, h, d)
+                for layer in range(n_layers):
+                    events.append(self._enqueue(Op.LOAD_LAYER, self.load_stream, h, d, layer,
+                                                completions, checked=True))
+        except BaseException as exc:
+            raise self._failure("load", exc) from exc
+        return LoadHandle(events, completions, self.device, self._record_fault)
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _check_all(self, op: Op, h: torch.Tensor, d: torch.Tensor,
+                   layer: int | None = 0) -> None:
+        from kvcore.validate import check_indices
+
+        for i, m in enumerate(self.members):
+            check_indices(self.plans[(i, op)], m.device, m.host, h, d, layer)
+
+    def _enqueue(self, op: Op, stream: Any, h: torch.Tensor, d: torch.Tensor,
+                 layer: int | None, completions: list[Any], checked: bool = False) -> Any:
+        if not checked:
+            self._check_all(op, h, d, layer)
+        producer = current_stream(self.device)
+        if stream is not None:
+            stream.wait_stream(producer)
+            # the index tensors were made on the caller's stream and are used on ours
+            for t in (h, d):
+                if t.device.type != "cpu":
+                    t.record_stream(stream)
+        with on_stream(stream):
+            for i, m in enumerate(self.members):
+                plan = self.plans[(i, op)]
+                result = plan.transfer(m.device, m.host, h, d, layer=layer, stream=stream,
+                                       check=False)
+                if result is not None:
+                    completions.append(result)
+        event = new_event(self.device)
+        if event is not None:
+            event.record(stream)
+        return event
+
+    def _failure(self, what: str, exc: BaseException) -> BaseException:
+        if isinstance(exc, (InvalidArgument, ControllerUnusable)) or not isinstance(
+                exc, Exception):
+            return exc  # refused before anything ran, or not ours to wrap
+        self._record_fault(exc)
+        if isinstance(exc, TransferFailed):
+            return exc
+        return TransferFailed(f"{what} failed: {type(exc).__name__}: {exc}", exc)
+
+    def _record_fault(self, exc: BaseException) -> None:
+        if isinstance(exc, DeviceFault) or type(exc).__name__ == "AcceleratorError":
+            self._unusable = exc
+
+    def _check_usable(self) -> None:
+        if self._unusable is not None:
+            raise ControllerUnusable(
+                f"the controller is unusable after a device fault: {self._unusable}; "
+                "recreate it (and the device context) to continue")
+
+
+def _check_pair(i: int, m: PoolPair, first: PoolPair) -> None:
+    g, d = m.host.geometry, m.device
+    name = f"members[{i}]" if i else "host_pool"
+    pairs = [("kind", g.kind, d.kind), ("num_layers", g.num_layers, d.num_layers),
+             ("head_num", g.head_num, d.head_num), ("head_dim", g.head_dim, d.head_dim),
+             ("page_size", g.page_size, d.page_size), ("dtype", m.host.dtype, d.dtype)]
+    for field, host_v, dev_v in pairs:
+        if host_v != dev_v:
+            raise TensorMismatch(f"{name}.{field}", f"{dev_v} (as the device pool)", str(host_v))
+    if i:
+        f = first.host.geometry
+        if (g.size, g.page_size) != (f.size, f.page_size) or d.size != first.device.size:
+            raise TensorMismatch(f"members[{i}]", "host size, page size and device size equal "
+                                 "to the first member's (they share one allocator)",
+                                 f"host {g.size}/{g.page_size}, device {d.size}")
+        if d.device != first.device.device:
+            raise TensorMismatch(f"members[{i}].device", str(first.device.device), str(d.device))
+
+
+def _check_plan_against_pools(plan: TransferPlan, m: PoolPair) -> None:
+    if plan.host_memory is HostMemory.PINNED and m.host.memory is not HostMemory.PINNED:
+        raise TensorMismatch("host_pool", f"pinned host memory for {plan.context}",
+                             f"{m.host.memory.value} memory; allocate it with "
+                             "HostPool.allocate so the backend chooses the allocator")
+    page_bytes = plan.page_bytes(m.host.geometry.page_size, m.host.geometry.num_layers)
+    support = plan.select(page_bytes)
+    if support.contiguous_pages:
+        from kvcore.layout import page_contiguous
+
+        if not page_contiguous(m.host.geometry):
+            raise TensorMismatch("host_pool", f"contiguous host pages for {plan.context} "
+                                 f"variant {support.variant}", "a layout whose pages are split")

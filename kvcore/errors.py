@@ -1,0 +1,114 @@
+"""Typed errors. Every refusal kvcore makes is one of these.
+
+Messages name the argument or tensor, what was expected and what was given, and where it
+matters the backend and operation, e.g.::
+
+    host_indices: expected int64 on cpu for cuda/page_first write_back, got int64 on cuda:0
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class KVCoreError(Exception):
+    """Base class of every error kvcore raises on purpose."""
+
+
+class InvalidArgument(KVCoreError, ValueError):
+    """An argument (a tensor, an index set, an option) is not acceptable.
+
+    ``argument`` names it, ``expected`` and ``got`` say what was wanted and what came.
+    """
+
+    def __init__(self, argument: str, expected: str, got: str, context: str = "") -> None:
+        self.argument = argument
+        self.expected = expected
+        self.got = got
+        self.context = context
+        where = f" for {context}" if context else ""
+        super().__init__(f"{argument}: expected {expected}{where}, got {got}")
+
+
+class TensorMismatch(InvalidArgument):
+    """A tensor has the wrong dtype, device, shape, stride or alignment."""
+
+
+class InvalidIndices(InvalidArgument):
+    """Index values are out of range, not page-aligned, duplicated or mismatched."""
+
+
+class UnsupportedCombination(KVCoreError, ValueError):
+    """An (op, kind, layout) combination that does not exist, or that no rule allows."""
+
+
+class NoBackend(KVCoreError, LookupError):
+    """No backend can serve a request. ``reasons`` maps each candidate to why it was refused."""
+
+    def __init__(self, request: str, reasons: dict[str, str]) -> None:
+        self.request = request
+        self.reasons = dict(reasons)
+        lines = [f"no backend can serve {request}"]
+        if not reasons:
+            lines.append("  (no backends are registered; is kvio_reference installed?)")
+        lines += [f"  {name}: {why}" for name, why in sorted(reasons.items())]
+        super().__init__("\n".join(lines))
+
+
+class PluginLoadError(KVCoreError, ImportError):
+    """A plugin could not be imported or registered (fatal only when asked for or strict)."""
+
+
+class ApiVersionMismatch(PluginLoadError):
+    """A backend was built for another kvcore API version."""
+
+    def __init__(self, backend: str, backend_version: str, got: int, expected: int) -> None:
+        self.backend = backend
+        super().__init__(
+            f"backend {backend!r} (version {backend_version}) declares kvcore API version {got}, "
+            f"expected API version {expected}; upgrade or downgrade the plugin"
+        )
+
+
+class BackendUnavailable(KVCoreError, RuntimeError):
+    """A backend was asked for by name but cannot run on this machine."""
+
+
+class AllocatorError(KVCoreError, RuntimeError):
+    """Host slot allocation failed: out of slots, double allocation or double free."""
+
+
+class BuildError(KVCoreError, RuntimeError):
+    """A native kernel library could not be built (compiler missing, too old, or failing)."""
+
+
+class KernelError(KVCoreError, RuntimeError):
+    """A native runtime call or kernel launch returned an error code."""
+
+    def __init__(self, message: str, code: int | None = None) -> None:
+        self.code = code
+        super().__init__(message)
+
+
+class DeviceFault(KernelError):
+    """The device reported an error after which it cannot be trusted (a sticky fault)."""
+
+
+class TransferFailed(KVCoreError, RuntimeError):
+    """A transfer did not complete. Its host pages were released; nothing was acknowledged."""
+
+    def __init__(self, message: str, cause: BaseException | None = None) -> None:
+        self.cause = cause
+        super().__init__(message)
+
+
+class ControllerUnusable(KVCoreError, RuntimeError):
+    """The controller hit an error it cannot recover from (for example the device is lost)."""
+
+
+class PlanMismatch(KVCoreError, RuntimeError):
+    """Tensor-parallel ranks resolved different plans."""
+
+    def __init__(self, message: str, differences: Any = None) -> None:
+        self.differences = differences
+        super().__init__(message)

@@ -1,0 +1,134 @@
+"""Glue shared by backends that implement the native C ABI of docs/native-abi.md.
+
+Vendor-neutral: it turns a :class:`~kvcore.backend.TransferJob` into the ABI's arguments
+(pointers, byte strides, index dtypes) and calls a loaded library object. The vendor plugins
+(kvio_cuda, kvio_rocm) supply the library, the stream handle and the host allocator.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+
+from kvcore.backend import TransferJob
+from kvcore.capabilities import IndexSpec, OpSupport, Residency, op_support
+from kvcore.errors import InvalidArgument
+from kvcore.layout import ByteStrides, Kind, Layout, Op
+
+DEVICE_TO_HOST = 0
+HOST_TO_DEVICE = 1
+
+#: default device staging budget of a staged write-back (pages beyond it go in chunks)
+DEFAULT_STAGING_BYTES = 64 << 20
+
+
+class NativeLibrary(Protocol):
+    """What the vendor's ctypes binding offers (see docs/native-abi.md)."""
+
+    def transfer_direct(self, direction: int, k_ptrs: int, v_ptrs: int, layer_begin: int,
+                        layer_count: int, host_base: int, layout: Any, host_idx: int,
+                        host_idx_64: int, dev_idx: int, dev_idx_64: int, n_tokens: int,
+                        stream: int) -> None: ...
+
+    def write_back_staged(self, k_ptrs: int, v_ptrs: int, num_layers: int, host_base: int,
+                          layout: Any, host_idx_cpu: int, dev_idx: int, dev_idx_64: int,
+                          n_tokens: int, staging: int, staging_bytes: int, use_batched: int,
+                          stream: int) -> None: ...
+
+
+def layout_fields(s: ByteStrides) -> dict[str, int]:
+    """The kvio_layout struct's fields, from kvcore.layout's byte strides."""
+    return {
+        "kv_stride": s.kv_stride, "layer_stride": s.layer_stride, "page_stride": s.page_stride,
+        "token_stride": s.token_stride, "chunk_stride": s.chunk_stride,
+        "page_size": s.page_size, "chunk_bytes": s.chunk_bytes, "num_chunks": s.num_chunks,
+    }
+
+
+def is_64(t: torch.Tensor) -> int:
+    return 1 if t.dtype == torch.int64 else 0
+
+
+class NativeBackend:
+    """Runs jobs through a native library; subclasses say how to get streams and memory."""
+
+    #: the variant name that selects the staged write-back
+    STAGED = "staged"
+
+    def __init__(self, device: torch.device, library: NativeLibrary, make_layout: Any,
+                 staging_bytes: int = DEFAULT_STAGING_BYTES, use_batched: bool = True) -> None:
+        self.device = device
+        self.lib = library
+        self.make_layout = make_layout
+        self.staging_bytes = staging_bytes
+        self.use_batched = use_batched
+        self._staging: dict[int, torch.Tensor] = {}
+
+    def stream_handle(self, stream: Any) -> int:
+        """The raw runtime stream of a torch stream (0: the default stream)."""
+        raise NotImplementedError
+
+    def staging(self, stream: int) -> torch.Tensor:
+        """The staging buffer of ``stream``: one per stream, so streams never share one."""
+        if stream not in self._staging:
+            self._staging[stream] = torch.empty(self.staging_bytes, dtype=torch.uint8,
+                                                device=self.device)
+        return self._staging[stream]
+
+    def run(self, job: TransferJob) -> None:
+        pool = job.device_pool
+        if pool.device != self.device:
+            raise InvalidArgument("device_pool", f"tensors on {self.device}", str(pool.device))
+        layout = self.make_layout(**layout_fields(job.host_strides))
+        k_ptrs = pool.k_ptrs.data_ptr()
+        v_ptrs = pool.v_ptrs.data_ptr() if pool.v_ptrs is not None else 0
+        stream = self.stream_handle(job.stream)
+        h, d = job.host_indices, job.device_indices
+        host_base = job.host_buffer.data_ptr()
+        if job.op is Op.WRITE_BACK and job.support.variant == self.STAGED:
+            staging = self.staging(stream)
+            self.lib.write_back_staged(
+                k_ptrs, v_ptrs, job.host_geometry.num_layers, host_base, layout, h.data_ptr(),
+                d.data_ptr(), is_64(d), h.numel(), staging.data_ptr(), staging.numel(),
+                int(self.use_batched), stream)
+            return
+        layers = job.layers
+        direction = DEVICE_TO_HOST if job.op is Op.WRITE_BACK else HOST_TO_DEVICE
+        self.lib.transfer_direct(direction, k_ptrs, v_ptrs, layers.start, len(layers),
+                                 host_base, layout, h.data_ptr(), is_64(h), d.data_ptr(),
+                                 is_64(d), h.numel(), stream)
+
+
+#: pages (per K/V, over all layers) at least this large go through the staged write-back
+STAGED_MIN_PAGE_BYTES = 64 << 10
+
+
+def native_ops(staging_bytes: int = DEFAULT_STAGING_BYTES,
+               staged_min_page_bytes: int = STAGED_MIN_PAGE_BYTES,
+               element_alignment: int = 16) -> tuple[OpSupport, ...]:
+    """The operation variants every implementation of the native ABI declares.
+
+    Write-back has two variants chosen per call by page size: ``staged`` (device gather into
+    a bounded staging buffer, then copies of whole contiguous pages; host indices on the CPU,
+    since the copy destinations are computed there) for pages of at least
+    ``staged_min_page_bytes``, and ``direct`` (one kernel storing straight into pinned host
+    memory; both index sets on the device) below that and for layouts whose pages are not
+    contiguous. Loads are direct kernels reading pinned host memory.
+    """
+    kinds = (Kind.MHA, Kind.MLA)
+    contiguous = (Layout.PAGE_FIRST, Layout.PAGE_FIRST_DIRECT, Layout.PAGE_HEAD)
+    common = {"element_alignment": element_alignment}
+    return (
+        OpSupport(op=Op.WRITE_BACK, kinds=frozenset(kinds), layouts=frozenset(contiguous),
+                  host_index=IndexSpec(Residency.HOST, (torch.int64,)),
+                  device_index=IndexSpec(Residency.DEVICE), variant="staged", staged=True,
+                  staging_bytes=staging_bytes, batched_memcpy=True, contiguous_pages=True,
+                  min_page_bytes=staged_min_page_bytes, **common),
+        op_support(Op.WRITE_BACK, kinds, tuple(Layout), Residency.DEVICE, Residency.DEVICE,
+                   variant="direct", **common),
+        op_support(Op.LOAD_LAYER, kinds, tuple(Layout), Residency.DEVICE, Residency.DEVICE,
+                   variant="direct", **common),
+        op_support(Op.LOAD_ALL, kinds, tuple(Layout), Residency.DEVICE, Residency.DEVICE,
+                   variant="direct", **common),
+    )

@@ -1,0 +1,255 @@
+"""The device pool view, the host pool and its page-granular slot allocator."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+import torch
+
+from kvcore.capabilities import HostMemory
+from kvcore.errors import AllocatorError, InvalidArgument, TensorMismatch
+from kvcore.layout import ByteStrides, Geometry, Kind, Layout, byte_strides, host_shape, parse_enum
+from kvcore.validate import check_index_tensor, check_pages, describe_tensor
+
+
+def _pointer_table(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    ptrs = torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64)
+    return ptrs.view(torch.uint64).to(device)
+
+
+class DevicePool:
+    """A view over per-layer device tensors of shape ``(size, head_num, head_dim)``.
+
+    MHA pools have K and V tensors per layer, MLA pools one latent tensor per layer
+    (``head_num == 1``). :meth:`wrap` adopts tensors an engine already owns; :meth:`allocate`
+    makes new ones. ``k_ptrs``/``v_ptrs`` are uint64 tables of the layers' data pointers on
+    the pool's device, as native kernels want them.
+    """
+
+    def __init__(self, kind: Kind, k_buffers: Sequence[torch.Tensor],
+                 v_buffers: Sequence[torch.Tensor] | None, page_size: int) -> None:
+        self.kind = kind
+        self.k_buffers = list(k_buffers)
+        self.v_buffers = list(v_buffers) if v_buffers is not None else None
+        if kind is Kind.MHA and self.v_buffers is None:
+            raise InvalidArgument("v_buffers", "one tensor per layer for an MHA pool", "None")
+        if kind is Kind.MLA and self.v_buffers is not None:
+            raise InvalidArgument("v_buffers", "None for an MLA pool", "tensors")
+        if not self.k_buffers:
+            raise InvalidArgument("k_buffers", "at least one layer", "0 tensors")
+        if self.v_buffers is not None and len(self.v_buffers) != len(self.k_buffers):
+            raise InvalidArgument("v_buffers", f"{len(self.k_buffers)} tensors (one per layer)",
+                                  str(len(self.v_buffers)))
+        first = self.k_buffers[0]
+        if first.dim() != 3:
+            raise TensorMismatch("k_buffers[0]", "shape (size, head_num, head_dim)",
+                                 describe_tensor(first))
+        for name, bufs in (("k_buffers", self.k_buffers), ("v_buffers", self.v_buffers or [])):
+            for i, t in enumerate(bufs):
+                if (t.shape != first.shape or t.dtype != first.dtype
+                        or t.device != first.device):
+                    raise TensorMismatch(f"{name}[{i}]", describe_tensor(first),
+                                         describe_tensor(t))
+                if not t.is_contiguous():
+                    raise TensorMismatch(f"{name}[{i}]", "a contiguous tensor",
+                                         f"strides {t.stride()}")
+        self.size, self.head_num, self.head_dim = (int(s) for s in first.shape)
+        if kind is Kind.MLA and self.head_num != 1:
+            raise TensorMismatch("k_buffers[0]", "head_num 1 for an MLA pool",
+                                 describe_tensor(first))
+        if page_size <= 0 or self.size % page_size:
+            raise InvalidArgument("page_size", f"a positive divisor of the pool size {self.size}",
+                                  str(page_size))
+        self.page_size = page_size
+        self.dtype = first.dtype
+        self.device = first.device
+        self.k_ptrs = _pointer_table(self.k_buffers, self.device)
+        self.v_ptrs = (_pointer_table(self.v_buffers, self.device)
+                       if self.v_buffers is not None else None)
+
+    @classmethod
+    def wrap(cls, kind: Kind | str, k_buffers: Sequence[torch.Tensor],
+             v_buffers: Sequence[torch.Tensor] | None = None, page_size: int = 1) -> DevicePool:
+        """Adopt existing per-layer tensors (no copy)."""
+        return cls(parse_enum(Kind, kind, "kind"), k_buffers, v_buffers,  # type: ignore[arg-type]
+                   page_size)
+
+    @classmethod
+    def allocate(cls, kind: Kind | str, num_layers: int, size: int, head_num: int,
+                 head_dim: int, dtype: torch.dtype, device: torch.device | str,
+                 page_size: int) -> DevicePool:
+        """Allocate new, uninitialised per-layer tensors."""
+        k = parse_enum(Kind, kind, "kind")
+        shape = (size, head_num, head_dim)
+        ks = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        vs = ([torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+              if k is Kind.MHA else None)
+        return cls(k, ks, vs, page_size)  # type: ignore[arg-type]
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.k_buffers)
+
+    @property
+    def element_bytes(self) -> int:
+        return self.head_num * self.head_dim * self.dtype.itemsize
+
+    def layers(self, kv: int) -> list[torch.Tensor]:
+        """Layer tensors of K (kv=0) or V (kv=1); MLA has only kv=0."""
+        if kv == 0:
+            return self.k_buffers
+        if self.v_buffers is None:
+            raise InvalidArgument("kv", "0 for an MLA pool", str(kv))
+        return self.v_buffers
+
+    def all_buffers(self) -> list[torch.Tensor]:
+        return self.k_buffers + (self.v_buffers or [])
+
+
+@attrs.frozen
+class AllocatorState:
+    """A comparable snapshot of a :class:`SlotAllocator` (for tests and diagnostics)."""
+
+    free_pages: tuple[int, ...]
+    allocated: tuple[int, ...]
+
+
+class SlotAllocator:
+    """Page-granular allocator of host token slots, detecting double allocation and free.
+
+    Slots are handed out in whole pages; a page's ``page_size`` slots are contiguous. Indices
+    are int64 token indices on the CPU.
+    """
+
+    def __init__(self, size: int, page_size: int) -> None:
+        if page_size <= 0 or size <= 0 or size % page_size:
+            raise InvalidArgument("size", f"a positive multiple of page_size {page_size}",
+                                  str(size))
+        self.size = size
+        self.page_size = page_size
+        self.num_pages = size // page_size
+        self._free = list(range(self.num_pages - 1, -1, -1))  # pop() yields low pages first
+        self._taken = torch.zeros(self.num_pages, dtype=torch.bool)
+
+    def available_size(self) -> int:
+        """Free token slots."""
+        return len(self._free) * self.page_size
+
+    def alloc(self, num_tokens: int) -> torch.Tensor:
+        """Token indices of ``num_tokens / page_size`` free pages; all or nothing."""
+        if num_tokens < 0 or num_tokens % self.page_size:
+            raise InvalidArgument("num_tokens", f"a non-negative multiple of page_size "
+                                  f"{self.page_size}", str(num_tokens))
+        n = num_tokens // self.page_size
+        if n > len(self._free):
+            raise AllocatorError(f"host pool full: {num_tokens} slots requested, "
+                                 f"{self.available_size()} free of {self.size}")
+        pages = [self._free[-1 - i] for i in range(n)]
+        pt = torch.tensor(pages, dtype=torch.int64)
+        if n and bool(self._taken[pt].any()):
+            raise AllocatorError(f"double allocation: free list holds taken page "
+                                 f"{pages[int(torch.nonzero(self._taken[pt])[0])]}")
+        del self._free[len(self._free) - n:]
+        self._taken[pt] = True
+        return self._expand(pt)
+
+    def free(self, indices: torch.Tensor) -> None:
+        """Return whole pages; freeing a page that is not allocated raises and frees nothing."""
+        pages = self._pages_of("indices", indices)
+        if pages.numel() == 0:
+            return
+        if pages.unique().numel() != pages.numel():
+            raise AllocatorError("double free: the same page appears twice in one free() call")
+        free_now = ~self._taken[pages]
+        if bool(free_now.any()):
+            page = int(pages[torch.nonzero(free_now)[0]])
+            raise AllocatorError(f"double free: page {page} (slots {page * self.page_size}.."
+                                 f"{(page + 1) * self.page_size - 1}) is not allocated")
+        self._taken[pages] = False
+        self._free.extend(reversed(pages.tolist()))
+
+    def is_allocated(self, indices: torch.Tensor) -> bool:
+        pages = self._pages_of("indices", indices)
+        return bool(self._taken[pages].all())
+
+    def state(self) -> AllocatorState:
+        return AllocatorState(tuple(self._free),
+                              tuple(torch.nonzero(self._taken).flatten().tolist()))
+
+    def _pages_of(self, name: str, indices: torch.Tensor) -> torch.Tensor:
+        t = check_index_tensor(name, indices).cpu().to(torch.int64)
+        if t.numel() and (int(t.min()) < 0 or int(t.max()) >= self.size):
+            raise AllocatorError(f"{name}: expected slots in [0, {self.size}), got "
+                                 f"{int(t.min())}..{int(t.max())}")
+        check_pages(name, t, self.page_size)
+        return t.view(-1, self.page_size)[:, 0] // self.page_size
+
+    def _expand(self, pages: torch.Tensor) -> torch.Tensor:
+        ramp = torch.arange(self.page_size, dtype=torch.int64)
+        return (pages[:, None] * self.page_size + ramp).flatten()
+
+
+class HostPool:
+    """A host buffer in one of the layouts of :mod:`kvcore.layout`, plus its slot allocator.
+
+    Build it with :meth:`allocate`, which asks the backend that will serve this device for a
+    buffer its kernels can use (pinned where the platform has it, plain on CPU), or with
+    :meth:`wrap` around a buffer you already own.
+    """
+
+    def __init__(self, geometry: Geometry, buffer: torch.Tensor, memory: HostMemory) -> None:
+        expected = host_shape(geometry)
+        if tuple(buffer.shape) != expected:
+            raise TensorMismatch("buffer", f"shape {expected}", describe_tensor(buffer))
+        if buffer.device.type != "cpu":
+            raise TensorMismatch("buffer", "a tensor in host memory (device cpu)",
+                                 describe_tensor(buffer))
+        if not buffer.is_contiguous():
+            raise TensorMismatch("buffer", "a contiguous tensor", f"strides {buffer.stride()}")
+        self.geometry = geometry
+        self.buffer = buffer
+        self.memory = memory
+        self.dtype = buffer.dtype
+        self.strides: ByteStrides = byte_strides(geometry, buffer.dtype.itemsize)
+        self.allocator = SlotAllocator(geometry.size, geometry.page_size)
+
+    @classmethod
+    def wrap(cls, buffer: torch.Tensor, kind: Kind | str, layout: Layout | str,
+             num_layers: int, head_num: int, head_dim: int, page_size: int,
+             memory: HostMemory | None = None) -> HostPool:
+        """Adopt an existing host buffer (its size is read from its shape)."""
+        k = parse_enum(Kind, kind, "kind")
+        lay = parse_enum(Layout, layout, "layout")
+        size = _size_from_shape(tuple(buffer.shape), k, lay, page_size)  # type: ignore[arg-type]
+        g = Geometry(k, lay, num_layers, size, head_num, head_dim, page_size)  # type: ignore[arg-type]
+        if memory is None:
+            memory = HostMemory.PINNED if buffer.is_pinned() else HostMemory.PLAIN
+        return cls(g, buffer, memory)
+
+    @classmethod
+    def allocate(cls, kind: Kind | str, layout: Layout | str, num_layers: int, size: int,
+                 head_num: int, head_dim: int, dtype: torch.dtype, page_size: int,
+                 device: torch.device | str, backend: str | None = None,
+                 registry: object = None) -> HostPool:
+        """Allocate through the backend that write-back on ``device`` resolves to."""
+        from kvcore.registry import default_registry, make_request
+
+        k = parse_enum(Kind, kind, "kind")
+        lay = parse_enum(Layout, layout, "layout")
+        g = Geometry(k, lay, num_layers, size, head_num, head_dim, page_size)  # type: ignore[arg-type]
+        reg = registry or default_registry()
+        req = make_request("write_back", k, lay, dtype, head_num * head_dim * dtype.itemsize,
+                           device)
+        plan = reg.resolve(req, backend)  # type: ignore[attr-defined]
+        buffer, memory = plan.instance().allocate_host(host_shape(g), dtype)
+        return cls(g, buffer, memory)
+
+
+def _size_from_shape(shape: tuple[int, ...], kind: Kind, layout: Layout, page_size: int) -> int:
+    body = shape[1:] if kind is Kind.MHA else shape
+    if layout in (Layout.LAYER_FIRST,):
+        return body[1]
+    if layout is Layout.PAGE_FIRST:
+        return body[0]
+    return body[0] * page_size

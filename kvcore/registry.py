@@ -1,0 +1,342 @@
+"""Discovery, loading and selection of backends.
+
+Plugins are found through the ``kvcore.backends`` entry-point group and registered with
+pluggy. Environment variables, read at discovery:
+
+``KVCORE_PLUGINS``
+    Comma-separated allow-list of entry-point names to import. Unset: all installed plugins.
+    Empty string: none besides ``reference``. This is how to keep untrusted installed
+    packages from being imported at all.
+``KVCORE_BACKEND``
+    Force one backend by name for every request (same as the ``backend=`` argument).
+``KVCORE_STRICT``
+    ``1``: a plugin that fails to import or register is fatal instead of reported and
+    skipped. Meant for plugin authors and CI.
+
+Selection (:meth:`Registry.resolve`): an explicit name wins; otherwise the available backend
+of highest priority whose capabilities cover the request, ties broken by name. When nothing
+fits, :class:`~kvcore.errors.NoBackend` lists every candidate and why it was refused,
+including import errors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import traceback
+from collections.abc import Iterator
+
+import attrs
+import pluggy
+import torch
+
+from kvcore import hookspecs
+from kvcore.capabilities import (
+    API_VERSION,
+    Availability,
+    BackendSpec,
+    OpSupport,
+    Unavailable,
+    safe_probe,
+)
+from kvcore.errors import (
+    ApiVersionMismatch,
+    BackendUnavailable,
+    InvalidArgument,
+    NoBackend,
+    PluginLoadError,
+    UnsupportedCombination,
+)
+from kvcore.layout import Kind, Layout, Op, check_combination
+from kvcore.plan import TransferPlan, TransferRequest
+
+try:  # the backport is a declared dependency; the stdlib module serves where it is absent
+    import importlib_metadata as metadata
+except ImportError:  # pragma: no cover
+    import importlib.metadata as metadata  # type: ignore[no-redef]
+
+ENTRY_POINT_GROUP = "kvcore.backends"
+REFERENCE = "reference"
+
+
+@attrs.frozen
+class BrokenPlugin:
+    """A plugin that could not be imported or registered."""
+
+    name: str
+    distribution: str | None
+    error: BaseException = attrs.field(eq=False)
+    traceback: str = attrs.field(eq=False, repr=False)
+
+    @property
+    def reason(self) -> str:
+        return f"plugin {self.name!r} failed to load: {type(self.error).__name__}: {self.error}"
+
+
+@attrs.frozen
+class Registered:
+    """A backend known to the registry and where it came from."""
+
+    spec: BackendSpec
+    source: str  # entry-point name, or "in-process"
+    distribution: str | None = None
+
+    @property
+    def name(self) -> str:
+        return self.spec.capabilities.name
+
+
+@attrs.frozen
+class Resolution:
+    """How a request was (or was not) resolved: the winner and why each other lost."""
+
+    request: TransferRequest
+    chosen: Registered | None
+    variants: tuple[OpSupport, ...]
+    reasons: dict[str, str]
+    order: tuple[str, ...]
+
+
+def _strict(environ: dict[str, str] | os._Environ[str]) -> bool:
+    return environ.get("KVCORE_STRICT", "").strip() not in ("", "0")
+
+
+class Registry:
+    """Backends known to this process. Most code uses :func:`default_registry`."""
+
+    def __init__(self, environ: dict[str, str] | None = None) -> None:
+        self._environ = os.environ if environ is None else environ
+        self._pm = pluggy.PluginManager(hookspecs.PROJECT)
+        self._pm.add_hookspecs(hookspecs)
+        self._backends: dict[str, Registered] = {}
+        self._broken: dict[str, BrokenPlugin] = {}
+        self._availability: dict[str, Availability] = {}
+        self._instances: dict[tuple[str, str], object] = {}
+        self._discovered = False
+        self._lock = threading.RLock()
+
+    # -- discovery -------------------------------------------------------------------------
+
+    def allowed_plugins(self) -> set[str] | None:
+        """The KVCORE_PLUGINS allow-list (None when unset: everything is allowed)."""
+        raw = self._environ.get("KVCORE_PLUGINS")
+        if raw is None:
+            return None
+        return {p.strip() for p in raw.split(",") if p.strip()} | {REFERENCE}
+
+    def discover(self) -> None:
+        """Import allowed entry points and register their backends (once; idempotent)."""
+        with self._lock:
+            if self._discovered:
+                return
+            self._discovered = True
+            allowed = self.allowed_plugins()
+            eps = sorted(metadata.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name)
+            for ep in eps:
+                if allowed is not None and ep.name not in allowed:
+                    continue
+                dist = getattr(getattr(ep, "dist", None), "name", None)
+                self._load_entry_point(ep, dist)
+
+    def _load_entry_point(self, ep: metadata.EntryPoint, dist: str | None) -> None:
+        try:
+            module = ep.load()
+            if self._pm.is_registered(module):
+                return
+            self._pm.register(module, name=ep.name)
+            impls = [i for i in self._pm.hook.kvcore_register_backends.get_hookimpls()
+                     if i.plugin_name == ep.name]
+            staged: list[BackendSpec] = []
+            for impl in impls:
+                impl.function(register=staged.append)
+            for spec in staged:
+                self.register(spec, source=ep.name, distribution=dist)
+        except Exception as exc:
+            with contextlib.suppress(Exception):
+                self._pm.unregister(name=ep.name)
+            broken = BrokenPlugin(ep.name, dist, exc, traceback.format_exc())
+            self._broken[ep.name] = broken
+            if _strict(self._environ):
+                raise PluginLoadError(broken.reason + " (KVCORE_STRICT=1)") from exc
+
+    def register(self, spec: BackendSpec, source: str = "in-process",
+                 distribution: str | None = None) -> None:
+        """Register a backend directly (tests, embedding). Refuses API mismatches and dupes."""
+        caps = spec.capabilities
+        if caps.api_version != API_VERSION:
+            raise ApiVersionMismatch(caps.name, caps.version, caps.api_version, API_VERSION)
+        with self._lock:
+            if caps.name in self._backends:
+                other = self._backends[caps.name].source
+                raise PluginLoadError(
+                    f"backend name {caps.name!r} from {source} is already registered by {other}")
+            self._backends[caps.name] = Registered(spec, source, distribution)
+
+    def unregister(self, name: str) -> None:
+        with self._lock:
+            self._backends.pop(name, None)
+            self._availability.pop(name, None)
+            self._instances = {k: v for k, v in self._instances.items() if k[0] != name}
+
+    @contextlib.contextmanager
+    def isolated(self) -> Iterator[Registry]:
+        """Snapshot the registry and restore it on exit, so tests do not leak registrations."""
+        self.discover()
+        with self._lock:
+            saved = (dict(self._backends), dict(self._broken), dict(self._availability),
+                     dict(self._instances))
+        try:
+            yield self
+        finally:
+            with self._lock:
+                self._backends, self._broken, self._availability, self._instances = (
+                    dict(saved[0]), dict(saved[1]), dict(saved[2]), dict(saved[3]))
+
+    # -- queries ---------------------------------------------------------------------------
+
+    def backends(self) -> list[Registered]:
+        """Every registered backend, by descending priority, then name."""
+        self.discover()
+        return sorted(self._backends.values(),
+                      key=lambda r: (-r.spec.capabilities.priority, r.name))
+
+    def broken(self) -> list[BrokenPlugin]:
+        self.discover()
+        return sorted(self._broken.values(), key=lambda b: b.name)
+
+    def availability(self, name: str) -> Availability:
+        """The (cached) result of the backend's availability probe."""
+        rec = self.get(name)
+        with self._lock:
+            if name not in self._availability:
+                self._availability[name] = safe_probe(rec.spec.capabilities)
+            return self._availability[name]
+
+    def get(self, name: str) -> Registered:
+        """The registered backend ``name``; a broken or unknown name raises with the cause."""
+        self.discover()
+        if name in self._backends:
+            return self._backends[name]
+        for broken in self._broken.values():
+            if broken.name == name:
+                raise PluginLoadError(broken.reason + "\n" + broken.traceback) from broken.error
+        known = ", ".join(sorted(self._backends)) or "none"
+        raise NoBackend(f"backend {name!r}", {name: f"not registered (registered: {known})"})
+
+    def instance(self, name: str, device: torch.device) -> object:
+        """The backend object for ``device``, built on first use and then shared."""
+        key = (name, str(device))
+        with self._lock:
+            if key not in self._instances:
+                avail = self.availability(name)
+                if not avail:
+                    raise BackendUnavailable(f"backend {name!r} is unavailable: "
+                                             f"{avail.reason}")  # type: ignore[union-attr]
+                self._instances[key] = self.get(name).spec.factory(device)
+            return self._instances[key]
+
+    # -- resolution ------------------------------------------------------------------------
+
+    def explain(self, request: TransferRequest, backend: str | None = None) -> Resolution:
+        """Resolve ``request`` and report every candidate's outcome (never raises NoBackend)."""
+        check_combination(request.op, request.kind, request.layout)
+        forced = backend or self._environ.get("KVCORE_BACKEND") or None
+        if forced is not None:
+            self.get(forced)  # raises with the import error if the plugin is broken
+        reasons: dict[str, str] = {}
+        chosen: Registered | None = None
+        variants: tuple[OpSupport, ...] = ()
+        order = []
+        for rec in self.backends():
+            order.append(rec.name)
+            if chosen is not None:
+                reasons[rec.name] = f"lower in order than {chosen.name}"
+                continue
+            if forced is not None and rec.name != forced:
+                reasons[rec.name] = f"not the requested backend {forced!r}"
+                continue
+            why, fits = self._refusal(rec, request)
+            if why is not None:
+                reasons[rec.name] = why
+                continue
+            chosen, variants = rec, fits
+        for broken in self.broken():
+            reasons[f"plugin:{broken.name}"] = broken.reason
+        return Resolution(request, chosen, variants, reasons, tuple(order))
+
+    def _refusal(self, rec: Registered,
+                 request: TransferRequest) -> tuple[str | None, tuple[OpSupport, ...]]:
+        caps = rec.spec.capabilities
+        if not caps.supports_device(request.device):
+            types = ", ".join(sorted(caps.device_types or ()))
+            return f"runs on {types} devices, not {request.device.type}", ()
+        avail = self.availability(rec.name)
+        if isinstance(avail, Unavailable):
+            return f"unavailable: {avail.reason}", ()
+        covering = caps.variants(request.op, request.kind, request.layout)
+        if not covering:
+            return (f"does not implement {request.op.value} for "
+                    f"{request.kind.value}/{request.layout.value}"), ()
+        fits = tuple(v for v in covering if v.refusal(request.dtype, request.element_bytes) is None)
+        if not fits:
+            why = covering[0].refusal(request.dtype, request.element_bytes)
+            return f"{request.op.value} {request.kind.value}/{request.layout.value}: {why}", ()
+        return None, fits
+
+    def resolve(self, request: TransferRequest, backend: str | None = None) -> TransferPlan:
+        """The plan for ``request``: explicit backend > KVCORE_BACKEND > priority order."""
+        res = self.explain(request, backend)
+        if res.chosen is None:
+            forced = backend or self._environ.get("KVCORE_BACKEND")
+            if forced:
+                avail = self.availability(forced)
+                if not avail:
+                    raise BackendUnavailable(
+                        f"backend {forced!r} was requested for {request} but is unavailable: "
+                        f"{avail.reason}")  # type: ignore[union-attr]
+            raise NoBackend(str(request), res.reasons)
+        name = res.chosen.name
+        caps = res.chosen.spec.capabilities
+        return TransferPlan(request=request, backend_name=name, backend_version=caps.version,
+                            host_memory=caps.host_memory, variants=res.variants,
+                            instance=lambda: self.instance(name, request.device))
+
+
+_default: Registry | None = None
+_default_lock = threading.Lock()
+
+
+def default_registry() -> Registry:
+    """The process-wide registry, discovered on first use."""
+    global _default
+    with _default_lock:
+        if _default is None:
+            _default = Registry()
+        return _default
+
+
+def reset_default_registry() -> None:
+    """Forget the process-wide registry (the next use re-reads the environment)."""
+    global _default
+    with _default_lock:
+        _default = None
+
+
+def make_request(op: Op | str, kind: Kind | str, layout: Layout | str, dtype: torch.dtype,
+                 element_bytes: int, device: torch.device | str) -> TransferRequest:
+    """Build a request from loose values, raising InvalidArgument / UnsupportedCombination."""
+    from kvcore.layout import parse_enum
+
+    req = TransferRequest(
+        op=parse_enum(Op, op, "op"),  # type: ignore[arg-type]
+        kind=parse_enum(Kind, kind, "kind"),  # type: ignore[arg-type]
+        layout=parse_enum(Layout, layout, "layout"),  # type: ignore[arg-type]
+        dtype=dtype, element_bytes=element_bytes, device=torch.device(device))
+    if element_bytes <= 0:
+        raise InvalidArgument("element_bytes", "a positive int", str(element_bytes))
+    try:
+        check_combination(req.op, req.kind, req.layout)
+    except UnsupportedCombination:
+        raise
+    return req

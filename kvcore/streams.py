@@ -1,0 +1,47 @@
+"""Device-generic streams and events; on a device without streams (CPU) they are None.
+
+Deciding by the pool's device type is not a platform check: it asks what the tensors in hand
+support, through torch's device module for that type (``torch.get_device_module``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+
+def has_streams(device: torch.device) -> bool:
+    """Whether work on ``device`` is asynchronous and ordered by streams."""
+    return device.type != "cpu"
+
+
+def new_stream(device: torch.device) -> Any:
+    """A new stream on ``device``, or None where the device has no streams."""
+    if not has_streams(device):
+        return None
+    return torch.get_device_module(device).Stream(device=device)
+
+
+def current_stream(device: torch.device) -> Any:
+    """The stream new work on ``device`` is ordered on, or None."""
+    if not has_streams(device):
+        return None
+    return torch.get_device_module(device).current_stream(device)
+
+
+def new_event(device: torch.device) -> Any:
+    return torch.get_device_module(device).Event() if has_streams(device) else None
+
+
+@contextlib.contextmanager
+def on_stream(stream: Any) -> Iterator[None]:
+    """Make ``stream`` current for the block (a no-op for None)."""
+    if stream is None:
+        yield
+        return
+    module = torch.get_device_module(stream.device)
+    with module.stream(stream):
+        yield

@@ -1,0 +1,79 @@
+"""kvio_cuda: NVIDIA write-back and load kernels (nvcc-built, plain C ABI, loaded by ctypes).
+
+This module is the static registration only: capabilities and an availability probe that
+loads no native code. The kernels are built on first use (see :mod:`kvio_cuda.build`).
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import torch
+
+import kvcore
+from kvcore.capabilities import (
+    API_VERSION,
+    Available,
+    Availability,
+    BackendSpec,
+    Capabilities,
+    HostMemory,
+    Unavailable,
+)
+from kvcore.native import native_ops
+
+__version__ = "0.1.0"
+
+#: oldest compute capability the kernels are built and tested for
+MIN_COMPUTE_CAPABILITY = (8, 0)
+
+
+def probe() -> Availability:
+    """Available when torch is a CUDA build, an NVIDIA GPU is visible and nvcc (or a built
+    library) is at hand. Never raises."""
+    if torch.version.cuda is None or getattr(torch.version, "hip", None):
+        return Unavailable(f"torch {torch.__version__} is not a CUDA build "
+                           f"(torch.version.cuda is {torch.version.cuda!r})")
+    if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
+        return Unavailable("no NVIDIA GPU visible (torch.cuda.is_available() is False)")
+    cc = torch.cuda.get_device_capability()
+    if cc < MIN_COMPUTE_CAPABILITY:
+        return Unavailable(f"GPU {torch.cuda.get_device_name()} has compute capability "
+                           f"{cc[0]}.{cc[1]}; kvio_cuda needs "
+                           f"{MIN_COMPUTE_CAPABILITY[0]}.{MIN_COMPUTE_CAPABILITY[1]} or newer")
+    from kvio_cuda import build
+
+    try:
+        nvcc = build.find_nvcc()
+    except kvcore.KVCoreError as exc:
+        return Unavailable(str(exc))
+    if nvcc is None and shutil.which("nvcc") is None:
+        return Unavailable("nvcc not found on PATH, in $CUDA_HOME/bin or /usr/local/cuda/bin; "
+                           "the kernels are built on first use")
+    return Available(f"{torch.cuda.get_device_name()} (sm_{cc[0]}{cc[1]}), nvcc {nvcc}")
+
+
+CAPABILITIES = Capabilities(
+    name="cuda",
+    version=__version__,
+    api_version=API_VERSION,
+    platform="cuda",
+    priority=100,
+    probe=probe,
+    ops=native_ops(),
+    host_memory=HostMemory.PINNED,
+    device_types=frozenset({"cuda"}),
+    description="NVIDIA kernels: staged batched-memcpy and direct non-temporal write-back, "
+                "zero-copy loads",
+)
+
+
+def _factory(device: torch.device):  # noqa: ANN202 - lazy import keeps registration light
+    from kvio_cuda.backend import CudaBackend
+
+    return CudaBackend(device)
+
+
+@kvcore.hookimpl
+def kvcore_register_backends(register) -> None:  # noqa: ANN001
+    register(BackendSpec(capabilities=CAPABILITIES, factory=_factory))

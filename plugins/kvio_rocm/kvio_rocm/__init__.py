@@ -1,0 +1,58 @@
+"""kvio_rocm: AMD write-back and load kernels (HIP, plain C ABI, loaded by ctypes).
+
+Static registration only: capabilities and an availability probe that loads no native code.
+torch exposes AMD GPUs under the device type "cuda" on ROCm builds; the probe tells the two
+vendors apart (torch.version.hip), so the registry never needs a platform check.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import kvcore
+from kvcore.capabilities import (
+    API_VERSION,
+    Available,
+    Availability,
+    BackendSpec,
+    Capabilities,
+    HostMemory,
+    Unavailable,
+)
+from kvcore.native import native_ops
+
+__version__ = "0.1.0"
+
+
+def probe() -> Availability:
+    """Available on a ROCm build of torch with a visible AMD GPU and a compiler for its gfx."""
+    from kvio_rocm.probe import probe as rocm_probe
+
+    ok, reason = rocm_probe()
+    return Available(reason) if ok else Unavailable(reason)
+
+
+CAPABILITIES = Capabilities(
+    name="rocm",
+    version=__version__,
+    api_version=API_VERSION,
+    platform="rocm",
+    priority=100,
+    probe=probe,
+    ops=native_ops(),
+    host_memory=HostMemory.PINNED,  # hipHostMalloc / torch pinned: device address == host
+    device_types=frozenset({"cuda"}),  # torch's device type for HIP devices
+    description="AMD kernels: wave64, single nt dwordx4 accesses, staged hipMemcpyBatchAsync "
+                "write-back, zero-copy loads",
+)
+
+
+def _factory(device: torch.device):  # noqa: ANN202 - lazy import keeps registration light
+    from kvio_rocm.backend import RocmBackend
+
+    return RocmBackend(device)
+
+
+@kvcore.hookimpl
+def kvcore_register_backends(register) -> None:  # noqa: ANN001
+    register(BackendSpec(capabilities=CAPABILITIES, factory=_factory))
