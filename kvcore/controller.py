@@ -135,7 +135,7 @@ class LoadHandle:
         for c in self._completions:
             try:
                 c.check()
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:
                 self._on_failure(exc)
                 raise TransferFailed(f"load failed at completion: {exc}", exc) from exc
 
@@ -272,7 +272,7 @@ class HiCacheController:
             try:
                 for c in p.completions:
                     c.check()
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:
                 if p.owns_host:
                     self.allocator.free(p.ack.host_indices)
                 self._record_fault(exc)

@@ -7,14 +7,16 @@ loads no native code. The kernels are built on first use (see :mod:`kvio_cuda.bu
 from __future__ import annotations
 
 import shutil
+from collections.abc import Callable
 
 import torch
 
 import kvcore
+from kvcore.backend import TransferBackend
 from kvcore.capabilities import (
     API_VERSION,
-    Available,
     Availability,
+    Available,
     BackendSpec,
     Capabilities,
     HostMemory,
@@ -68,12 +70,12 @@ CAPABILITIES = Capabilities(
 )
 
 
-def _factory(device: torch.device):  # noqa: ANN202 - lazy import keeps registration light
+def _factory(device: torch.device) -> TransferBackend:
     from kvio_cuda.backend import CudaBackend
 
     return CudaBackend(device)
 
 
 @kvcore.hookimpl
-def kvcore_register_backends(register) -> None:  # noqa: ANN001
+def kvcore_register_backends(register: Callable[[BackendSpec], None]) -> None:
     register(BackendSpec(capabilities=CAPABILITIES, factory=_factory))

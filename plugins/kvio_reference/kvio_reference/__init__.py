@@ -6,9 +6,12 @@ This module holds only the static registration; the implementation is in
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 import kvcore
+from kvcore.backend import TransferBackend
 from kvcore.capabilities import (
     API_VERSION,
     Available,
@@ -49,12 +52,12 @@ CAPABILITIES = Capabilities(
 )
 
 
-def _factory(device: torch.device):  # noqa: ANN202 - lazy import keeps registration light
+def _factory(device: torch.device) -> TransferBackend:
     from kvio_reference.backend import ReferenceBackend
 
     return ReferenceBackend(device)
 
 
 @kvcore.hookimpl
-def kvcore_register_backends(register) -> None:  # noqa: ANN001
+def kvcore_register_backends(register: Callable[[BackendSpec], None]) -> None:
     register(BackendSpec(capabilities=CAPABILITIES, factory=_factory))

@@ -7,13 +7,16 @@ vendors apart (torch.version.hip), so the registry never needs a platform check.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 import kvcore
+from kvcore.backend import TransferBackend
 from kvcore.capabilities import (
     API_VERSION,
-    Available,
     Availability,
+    Available,
     BackendSpec,
     Capabilities,
     HostMemory,
@@ -47,12 +50,12 @@ CAPABILITIES = Capabilities(
 )
 
 
-def _factory(device: torch.device):  # noqa: ANN202 - lazy import keeps registration light
+def _factory(device: torch.device) -> TransferBackend:
     from kvio_rocm.backend import RocmBackend
 
     return RocmBackend(device)
 
 
 @kvcore.hookimpl
-def kvcore_register_backends(register) -> None:  # noqa: ANN001
+def kvcore_register_backends(register: Callable[[BackendSpec], None]) -> None:
     register(BackendSpec(capabilities=CAPABILITIES, factory=_factory))

@@ -1,0 +1,98 @@
+"""Controller-level tests with a native backend chosen automatically (GPU machines only).
+
+Skipped with the reason where no native backend is available (every CPU-only machine).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvcore import DevicePool, HiCacheController, HostPool
+from kvcore.cli.backends import default_device
+from kvcore.layout import Op
+from kvcore.registry import default_registry, make_request
+from kvcore.verify import random_fill
+
+DEVICE = default_device()
+LAYERS, PAGE, HEADS, HEAD_DIM = 8, 64, 8, 128
+SENTINEL = 0x5A
+
+
+def _native_backend() -> str | None:
+    if DEVICE.type == "cpu":
+        return None
+    req = make_request(Op.WRITE_BACK, "mha", "page_first", torch.bfloat16,
+                       HEADS * HEAD_DIM * 2, DEVICE)
+    plan = default_registry().resolve(req)
+    return None if plan.backend_name == "reference" else plan.backend_name
+
+
+NATIVE = _native_backend()
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(NATIVE is None, reason=f"no native backend available for {DEVICE} "
+                                               "(see `kvio backends`)"),
+]
+
+
+def _pools(layout: str, kind: str = "mha") -> tuple[DevicePool, HostPool]:
+    heads = HEADS if kind == "mha" else 1
+    dim = HEAD_DIM if kind == "mha" else 576
+    dev = DevicePool.allocate(kind, LAYERS, 64 * PAGE, heads, dim, torch.bfloat16, DEVICE, PAGE)
+    gen = torch.Generator().manual_seed(1234)
+    for t in dev.all_buffers():
+        random_fill(t, gen)
+    host = HostPool.allocate(kind, layout, LAYERS, 64 * PAGE, heads, dim, torch.bfloat16, PAGE,
+                             DEVICE)
+    host.buffer.view(torch.uint8).fill_(SENTINEL)
+    return dev, host
+
+
+@pytest.mark.parametrize("kind", ["mha", "mla"])
+@pytest.mark.parametrize("layout", ["page_first", "layer_first", "page_first_direct"])
+def test_write_then_load_through_controller_is_exact(layout: str, kind: str) -> None:
+    dev, host = _pools(layout, kind)
+    ctl = HiCacheController(dev, host, verify=True)
+    assert ctl.plan(Op.WRITE_BACK).backend_name == NATIVE
+    src = torch.randperm(32, device=DEVICE)[:17]  # 17 scattered device pages
+    src_tokens = (src[:, None] * PAGE + torch.arange(PAGE, device=DEVICE)).flatten()
+    ack = ctl.write(src_tokens)
+    assert [a.id for a in ctl.wait_acks()] == [ack.id]
+    dst = (torch.arange(40, 57, device=DEVICE)[:, None] * PAGE
+           + torch.arange(PAGE, device=DEVICE)).flatten()
+    for t in dev.all_buffers():
+        t[dst] = torch.full_like(t[dst], -3.0)
+    handle = ctl.load(ack.host_indices, dst)
+    handle.wait()
+    for kv in range(2 if kind == "mha" else 1):
+        for layer in range(LAYERS):
+            t = dev.layers(kv)[layer]
+            assert torch.equal(t[dst].view(torch.int16), t[src_tokens].view(torch.int16)), \
+                (kv, layer)
+
+
+def test_wait_layer_orders_the_current_stream_per_layer() -> None:
+    dev, host = _pools("page_first")
+    ctl = HiCacheController(dev, host)
+    src = torch.arange(0, 32 * PAGE, device=DEVICE)
+    ack = ctl.write(src)
+    ctl.wait_acks()
+    def checksum(t: torch.Tensor) -> torch.Tensor:
+        return t.view(torch.int16).to(torch.int64).sum()
+
+    expected = [[checksum(t[src]).item() for t in dev.layers(kv)] for kv in range(2)]
+    dst = torch.arange(32 * PAGE, 64 * PAGE, device=DEVICE)
+    for t in dev.all_buffers():
+        t[dst] = torch.full_like(t[dst], -7.0)
+    torch.cuda.synchronize(DEVICE)
+    handle = ctl.load(ack.host_indices, dst)
+    sums = []
+    for layer in range(LAYERS):
+        handle.wait_layer(layer)
+        # consumer kernels on the current stream, ordered after layer `layer` only
+        sums.append([checksum(dev.layers(kv)[layer][dst]) for kv in range(2)])
+    handle.wait()
+    for layer in range(LAYERS):
+        for kv in range(2):
+            assert sums[layer][kv].item() == expected[kv][layer], (layer, kv)
