@@ -15,7 +15,7 @@ import torch
 
 def has_streams(device: torch.device) -> bool:
     """Whether work on ``device`` is asynchronous and ordered by streams."""
-    return device.type != "cpu"
+    return device.type not in ("cpu", "meta")
 
 
 def new_stream(device: torch.device) -> Any:

@@ -27,33 +27,64 @@ def random_fill(t: torch.Tensor, generator: torch.Generator) -> None:
     t.view(-1).view(torch.uint8).copy_(raw.to(t.device))
 
 
+def _scratch_device(m_device: DevicePool, g: Geometry, gen: torch.Generator) -> DevicePool:
+    dev = DevicePool.allocate(g.kind, g.num_layers, 2 * g.page_size, g.head_num, g.head_dim,
+                              m_device.dtype, m_device.device, g.page_size)
+    for t in dev.all_buffers():
+        random_fill(t, gen)
+    return dev
+
+
+def _same_bytes(a: DevicePool | torch.Tensor, b: DevicePool | torch.Tensor) -> bool:
+    ta = a.all_buffers() if isinstance(a, DevicePool) else [a]
+    tb = b.all_buffers() if isinstance(b, DevicePool) else [b]
+    pairs = zip(ta, tb, strict=True)
+    return all(torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in pairs)
+
+
 def verify_plans(ctl: HiCacheController) -> None:
-    """Write back and load one page per member with its plan and with the reference; compare."""
+    """For each member whose plans are not the reference's: write back one page and load it
+    back (per layer and all layers) on scratch pools, with the plan and with the reference,
+    and require identical bytes. Raises TransferFailed naming the plan that differs."""
     gen = torch.Generator().manual_seed(0x6B76)
     for i, m in enumerate(ctl.members):
-        plan = ctl.plans[(i, Op.WRITE_BACK)]
-        if plan.backend_name == REFERENCE:
+        plans = {op: ctl.plans[(i, op)] for op in Op}
+        if all(p.backend_name == REFERENCE for p in plans.values()):
             continue
         g = m.host.geometry
         small = Geometry(g.kind, g.layout, g.num_layers, 2 * g.page_size, g.head_num,
                          g.head_dim, g.page_size)
-        dev = DevicePool.allocate(g.kind, g.num_layers, 2 * g.page_size, g.head_num,
-                                  g.head_dim, m.device.dtype, m.device.device, g.page_size)
-        for t in dev.all_buffers():
-            random_fill(t, gen)
-        host_buf, memory = plan.instance().allocate_host(host_shape(small), m.device.dtype)
+        dev = _scratch_device(m.device, g, gen)
+        host_buf, memory = plans[Op.WRITE_BACK].instance().allocate_host(host_shape(small),
+                                                                          m.device.dtype)
         host = HostPool(small, host_buf, memory)
         ref_host = HostPool(small, torch.empty_like(host_buf, device="cpu"), memory)
         random_fill(host.buffer, gen)
         ref_host.buffer.copy_(host.buffer)
         h = torch.arange(g.page_size, 2 * g.page_size, dtype=torch.int64)
         d = torch.arange(g.page_size, dtype=torch.int64, device=m.device.device).flip(0)
-        plan.transfer(dev, host, h, d)
-        ref = ctl.registry.resolve(plan.request, REFERENCE)
-        ref.transfer(dev, ref_host, h, d)
-        if m.device.device.type != "cpu":
-            torch.get_device_module(m.device.device).synchronize(m.device.device)
-        if not torch.equal(host.buffer.view(torch.uint8), ref_host.buffer.view(torch.uint8)):
-            raise TransferFailed(
-                f"start-up verification: {plan.context} wrote a page that differs from the "
-                f"reference's (member {i}, {g.kind.value}/{g.layout.value}); refusing to start")
+        for op, plan in plans.items():
+            ref = ctl.registry.resolve(plan.request, REFERENCE)
+            if op is Op.WRITE_BACK:
+                plan.transfer(dev, host, h, d)
+                ref.transfer(dev, ref_host, h, d)
+                outcome = (host.buffer, ref_host.buffer)
+            else:
+                target = _scratch_device(m.device, g, gen)
+                ref_target = DevicePool.allocate(g.kind, g.num_layers, 2 * g.page_size,
+                                                 g.head_num, g.head_dim, m.device.dtype,
+                                                 m.device.device, g.page_size)
+                for a, b in zip(ref_target.all_buffers(), target.all_buffers(), strict=True):
+                    a.copy_(b)
+                layers = range(g.num_layers) if op is Op.LOAD_LAYER else [None]
+                for layer in layers:
+                    plan.transfer(target, host, h, d, layer=layer)
+                    ref.transfer(ref_target, host, h, d, layer=layer)
+                outcome = (target, ref_target)
+            if m.device.device.type not in ("cpu", "meta"):
+                torch.get_device_module(m.device.device).synchronize(m.device.device)
+            if not _same_bytes(*outcome):
+                raise TransferFailed(
+                    f"start-up verification: {plan.context} (member {i}, "
+                    f"{g.kind.value}/{g.layout.value}) produced bytes that differ from the "
+                    "reference's; refusing to start")
