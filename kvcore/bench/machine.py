@@ -1,0 +1,75 @@
+"""Facts about the machine a benchmark ran on, for the report header. Never raises."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import platform
+import shutil
+import subprocess
+from typing import Any
+
+import torch
+
+from kvcore.streams import has_streams
+
+_SMI = {  # tool -> arguments that print the driver version
+    "nvidia-smi": ["--query-gpu=driver_version", "--format=csv,noheader"],
+    "rocm-smi": ["--showdriverversion"],
+}
+
+
+def machine_facts(device: torch.device, host_memory: str | None) -> dict[str, Any]:
+    """GPU name, driver, CUDA/ROCm and torch versions, CPU model and cores, host memory kind."""
+    version = getattr(torch, "version", None)
+    return {
+        "device": str(device),
+        "gpu": _gpu_name(device),
+        "driver": _driver() if has_streams(device) else None,
+        "cuda": getattr(version, "cuda", None),
+        "hip": getattr(version, "hip", None),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "cpu": cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "host_memory": host_memory,
+        "pinned": host_memory == "pinned",
+    }
+
+
+def _gpu_name(device: torch.device) -> str | None:
+    if not has_streams(device):
+        return None
+    with contextlib.suppress(Exception):
+        return str(torch.get_device_module(device).get_device_name(device))
+    return None
+
+
+def _driver() -> str | None:
+    for tool, args in _SMI.items():
+        path = shutil.which(tool)
+        if path is None:
+            continue
+        with contextlib.suppress(Exception):
+            out = subprocess.run([path, *args], capture_output=True, text=True, timeout=10,
+                                 check=False).stdout.strip()
+            lines = [ln.strip() for ln in out.splitlines() if ln.strip()]
+            if lines:
+                return lines[0] if tool == "nvidia-smi" else _rocm_driver(lines)
+    return None
+
+
+def _rocm_driver(lines: list[str]) -> str:
+    for ln in lines:
+        if "version" in ln.lower() and ":" in ln:
+            return ln.rsplit(":", 1)[1].strip()
+    return lines[-1]
+
+
+def cpu_model() -> str:
+    """The CPU model name from /proc/cpuinfo, else what the platform module says."""
+    with contextlib.suppress(OSError), open("/proc/cpuinfo", encoding="utf-8") as f:
+        for line in f:
+            if line.lower().startswith(("model name", "hardware", "cpu model")):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()

@@ -1,0 +1,120 @@
+"""Reports of a benchmark: a text table, a markdown document and JSON records."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from kvcore.bench.runner import OK, BenchResult, Row
+
+MIB = 2**20
+
+
+def _num(value: float | None, digits: int = 2) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def time_ratio(row: Row) -> float | None:
+    """The row's time over one contiguous copy of the same bytes (1 / ratio)."""
+    if row.timing is None or row.ceiling is None or row.ceiling.median_ms <= 0:
+        return None
+    return row.timing.median_ms / row.ceiling.median_ms
+
+
+def table_rows(rows: Sequence[Row], latency: bool = False) -> tuple[list[str], list[list[str]]]:
+    """Header and cells of the results table (``latency`` adds time / copy time)."""
+    header = ["backend", "op", "kind", "layout", "dtype", "page", "batch", "layers",
+              "elem_dim", "MiB", "ms", "spread%", "GiB/s", "ceil GiB/s", "ratio", "speedup"]
+    if latency:
+        header.append("x copy time")
+    header.append("status")
+    cells = []
+    for r in rows:
+        c = r.case
+        t = r.timing
+        line = [r.backend, c.op.value, c.kind.value, c.layout.value,
+                str(c.dtype).removeprefix("torch."), str(c.page_size), str(c.batch_pages),
+                str(c.num_layers), str(c.element_dim), _num(c.bytes_moved / MIB, 3),
+                _num(t.median_ms if t else None, 3), _num(t.spread_pct if t else None, 0),
+                _num(r.gib_s), _num(r.ceiling_gib_s), _num(r.ratio),
+                "-" if r.speedup is None else f"{r.speedup:.2f}x"]
+        if latency:
+            line.append(_num(time_ratio(r)))
+        line.append(r.status)
+        cells.append(line)
+    return header, cells
+
+
+def failures(rows: Sequence[Row]) -> list[str]:
+    """One line per row that was not timed, with the reason."""
+    return [f"{r.backend} {' '.join(str(k) for k in r.case.key())}: {r.status}: {r.reason}"
+            for r in rows if r.status != OK]
+
+
+def header_lines(result: BenchResult) -> list[str]:
+    """Machine and settings facts, one per line."""
+    m, s = result.machine, result.settings
+    accel = m.get("gpu") or "none"
+    runtime = (f"CUDA {m['cuda']}" if m.get("cuda") else f"ROCm/HIP {m['hip']}" if m.get("hip")
+               else "no GPU runtime")
+    names = ", ".join(f"{b['name']} {b['version']}" for b in result.backends)
+    return [
+        f"device: {s.get('device')}  GPU: {accel}  driver: {m.get('driver') or '-'}  "
+        f"{runtime}  torch {m.get('torch')}",
+        f"CPU: {m.get('cpu')} ({m.get('cpu_count')} cores)  host memory: "
+        f"{m.get('host_memory') or '-'} (pinned: {'yes' if m.get('pinned') else 'no'})",
+        f"backends: {names}  timer: {s.get('timer')}, warm-up {s.get('warmup')}, "
+        f"repeat {s.get('repeat')} (median)  elapsed {result.elapsed_s:.1f} s",
+    ]
+
+
+def text_table(result: BenchResult, latency: bool = False) -> str:
+    """The header, an aligned table and the reasons of untimed rows."""
+    header, cells = table_rows(result.rows, latency)
+    widths = [max(len(h), *(len(c[i]) for c in cells)) if cells else len(h)
+              for i, h in enumerate(header)]
+    numeric = set(range(5, len(header) - 1))
+
+    def fmt(cols: list[str]) -> str:
+        return "  ".join(c.rjust(w) if i in numeric else c.ljust(w)
+                         for i, (c, w) in enumerate(zip(cols, widths, strict=True))).rstrip()
+
+    lines = [*header_lines(result), "", fmt(header), fmt(["-" * w for w in widths])]
+    lines += [fmt(c) for c in cells]
+    fails = failures(result.rows)
+    if fails:
+        lines += ["", "not timed:", *(f"  {f}" for f in fails)]
+    lines += ["", "ratio = achieved GiB/s / ceiling GiB/s (one contiguous copy of the same "
+                  "bytes); speedup = reference time / backend time"]
+    return "\n".join(lines)
+
+
+def markdown(result: BenchResult, command: str, latency: bool = False) -> str:
+    """A markdown document: the command line, the header and the table."""
+    header, cells = table_rows(result.rows, latency)
+    out = ["# kvio bench", "", "```", command, "```", ""]
+    out += [f"- {line}" for line in header_lines(result)]
+    out += ["", "| " + " | ".join(header) + " |",
+            "|" + "|".join("---" if i < 5 else "---:" for i in range(len(header))) + "|"]
+    out += ["| " + " | ".join(c) + " |" for c in cells]
+    fails = failures(result.rows)
+    if fails:
+        out += ["", "Not timed:", "", *(f"- {f}" for f in fails)]
+    out += ["", "ratio = achieved GiB/s / ceiling GiB/s (one contiguous copy of the same bytes "
+                "between the same memories); speedup = reference time / backend time.", ""]
+    return "\n".join(out)
+
+
+def to_json(result: BenchResult, command: str) -> str:
+    """The full records (validated by ``kvcore/schemas/bench.schema.json``)."""
+    facts: dict[str, Any] = {**result.facts(), "command": command}
+    return json.dumps(facts, indent=2)
+
+
+def schema() -> dict[str, Any]:
+    """The JSON schema of :func:`to_json`'s output, shipped as package data."""
+    from importlib import resources
+
+    text = resources.files("kvcore").joinpath("schemas/bench.schema.json").read_text("utf-8")
+    return json.loads(text)

@@ -1,0 +1,341 @@
+"""Runs a sweep: for each case, check every backend against the reference, then time it.
+
+Only the public API is used (pools, ``Registry.resolve``, ``TransferPlan``), so any
+registered backend can be measured. Per case:
+
+1. build one random initial state (device and host pools) and the reference's result from it;
+2. for each backend: allocate its own pools (its host allocator), copy the initial state in,
+   run the timed call on the first index set and compare every buffer with the reference's
+   result byte for byte; a mismatch or an error marks the row failed and it is not timed;
+3. time the backend, rotating through disjoint index sets; after the first backend, measure
+   the contiguous-copy ceiling for the case's direction and byte count (cached).
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import attrs
+import torch
+
+from kvcore.bench.ceiling import Ceiling
+from kvcore.bench.machine import machine_facts
+from kvcore.bench.sweep import Case
+from kvcore.bench.timing import Clock, Timing, gib_per_s
+from kvcore.capabilities import Unavailable
+from kvcore.errors import KVCoreError
+from kvcore.layout import Op
+from kvcore.plan import PlacedIndices, TransferPlan
+from kvcore.pools import DevicePool, HostPool
+from kvcore.registry import REFERENCE, Registry, make_request
+from kvcore.streams import current_stream
+from kvcore.validate import check_indices
+from kvcore.verify import random_fill
+
+SCHEMA_ID = "kvcore.bench/1"
+OK, FAILED, UNSUPPORTED = "ok", "failed", "unsupported"
+
+
+@attrs.define
+class Row:
+    """One (case, backend) result. ``timing`` is None unless the row passed its check."""
+
+    case: Case
+    backend: str
+    backend_version: str | None = None
+    variant: str | None = None
+    status: str = OK
+    reason: str | None = None
+    timing: Timing | None = None
+    ceiling: Timing | None = None
+    ceiling_kind: str | None = None
+    speedup: float | None = None
+
+    @property
+    def gib_s(self) -> float | None:
+        return self.timing.gib_s(self.case.bytes_moved) if self.timing else None
+
+    @property
+    def ceiling_gib_s(self) -> float | None:
+        return self.ceiling.gib_s(self.case.bytes_moved) if self.ceiling else None
+
+    @property
+    def ratio(self) -> float | None:
+        """Achieved throughput over the ceiling's (= ceiling time / achieved time)."""
+        if self.timing is None or self.ceiling is None:
+            return None
+        return ratio(self.case.bytes_moved, self.timing.median_ms, self.ceiling.median_ms)
+
+    def facts(self) -> dict[str, Any]:
+        return {
+            "backend": self.backend, "backend_version": self.backend_version,
+            "variant": self.variant, **self.case.facts(), "status": self.status,
+            "reason": self.reason,
+            "timing": self.timing.facts() if self.timing else None,
+            "gib_s": self.gib_s,
+            "ceiling": (None if self.ceiling is None else
+                        {"copy": self.ceiling_kind, **self.ceiling.facts(),
+                         "gib_s": self.ceiling_gib_s}),
+            "ratio": self.ratio, "speedup": self.speedup,
+        }
+
+
+def ratio(nbytes: int, achieved_ms: float, ceiling_ms: float) -> float:
+    """achieved GiB/s / ceiling GiB/s for the same byte count."""
+    ceiling = gib_per_s(nbytes, ceiling_ms)
+    return gib_per_s(nbytes, achieved_ms) / ceiling if ceiling > 0 else 0.0
+
+
+@attrs.define
+class BenchResult:
+    """Everything a report needs."""
+
+    rows: list[Row]
+    machine: dict[str, Any]
+    backends: list[dict[str, Any]]
+    settings: dict[str, Any]
+    started: str
+    elapsed_s: float = 0.0
+
+    def facts(self) -> dict[str, Any]:
+        return {"schema": SCHEMA_ID, "started": self.started, "elapsed_s": self.elapsed_s,
+                "machine": self.machine, "settings": self.settings,
+                "backends": self.backends, "rows": [r.facts() for r in self.rows]}
+
+
+@attrs.define
+class Bench:
+    """A configured benchmark; :meth:`run` returns a :class:`BenchResult`."""
+
+    registry: Registry
+    device: torch.device
+    cases: Sequence[Case]
+    backends: Sequence[str] | None = None  # None: every backend available on ``device``
+    warmup: int = 2
+    repeat: int = 5
+    seed: int = 0
+    settings: dict[str, Any] = attrs.field(factory=dict)
+
+    def backend_names(self) -> list[str]:
+        """The backends to measure, the reference first when it is among them."""
+        if self.backends:
+            names = list(dict.fromkeys(self.backends))
+            for name in names:
+                self.registry.get(name)  # an unknown or broken name raises with the cause
+        else:
+            names = [r.name for r in self.registry.backends()
+                     if r.spec.capabilities.supports_device(self.device)
+                     and self.registry.availability(r.name)]
+        return sorted(names, key=lambda n: n != REFERENCE)
+
+    def run(self, advance: Callable[[str], None] | None = None) -> BenchResult:
+        """Measure every case with every backend; ``advance(label)`` after each row."""
+        t0 = time.perf_counter()
+        started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+        names = self.backend_names()
+        clock = Clock(self.device, self.warmup, self.repeat)
+        ref_instance = self.registry.instance(REFERENCE, self.device)
+        ceiling = Ceiling(clock, ref_instance.allocate_host)  # type: ignore[attr-defined]
+        rows: list[Row] = []
+        host_memory: str | None = None
+        for case in self.cases:
+            case_rows, memory = self._run_case(case, names, clock, ceiling, advance)
+            rows += case_rows
+            host_memory = host_memory or memory
+        add_speedups(rows)
+        settings = {"device": str(self.device), "warmup": self.warmup, "repeat": self.repeat,
+                    "seed": self.seed, "timer": clock.kind, **self.settings}
+        return BenchResult(rows=rows, machine=machine_facts(self.device, host_memory),
+                           backends=[self._backend_facts(n) for n in names],
+                           settings=settings, started=started,
+                           elapsed_s=time.perf_counter() - t0)
+
+    def _backend_facts(self, name: str) -> dict[str, Any]:
+        caps = self.registry.get(name).spec.capabilities
+        avail = self.registry.availability(name)
+        return {"name": name, "version": caps.version, "platform": caps.platform,
+                "available": bool(avail), "host_memory": caps.host_memory.value,
+                "reason": avail.reason if isinstance(avail, Unavailable) else avail.detail}
+
+    # -- one case --------------------------------------------------------------------------
+
+    def _run_case(self, case: Case, names: Sequence[str], clock: Clock, ceiling: Ceiling,
+                  advance: Callable[[str], None] | None) -> tuple[list[Row], str | None]:
+        gen = torch.Generator().manual_seed(self.seed)
+        sets = index_sets(case, gen, self.device)
+        initial = self._pools(case, REFERENCE)
+        for t in (*initial[0].all_buffers(), initial[1].buffer):
+            random_fill(t, gen)
+        expected = self._pools(case, REFERENCE)
+        copy_state(initial, expected)
+        ref_plan = self._plan(case, REFERENCE)
+        Call(ref_plan, expected, sets, case).check_and_run(0)
+        clock.synchronize()
+        rows, memory = [], None
+        for i, name in enumerate(names):
+            if i == 1:  # between the first backend's run and the second's
+                ceiling.measure(case.direction, case.bytes_moved, case.index_sets)
+            row = Row(case, name)
+            try:
+                plan = self._plan(case, name)
+                pools = self._pools(case, name)
+            except KVCoreError as exc:
+                row.status, row.reason = UNSUPPORTED, _first_line(exc)
+            else:
+                row.backend_version = plan.backend_version
+                memory = memory or pools[1].memory.value
+                self._check_and_time(row, plan, pools, initial, expected, sets, clock)
+                del pools
+            rows.append(row)
+            if advance is not None:
+                advance(f"{name} {case.op.value} {case.kind.value}/{case.layout.value} "
+                        f"L{case.num_layers} e{case.element_dim}")
+        cap = ceiling.measure(case.direction, case.bytes_moved, case.index_sets)
+        for row in rows:
+            if row.timing is not None:
+                row.ceiling, row.ceiling_kind = cap, ceiling.label(case.direction)
+        return rows, memory
+
+    def _check_and_time(self, row: Row, plan: TransferPlan, pools: tuple[DevicePool, HostPool],
+                        initial: tuple[DevicePool, HostPool],
+                        expected: tuple[DevicePool, HostPool],
+                        sets: list[tuple[torch.Tensor, torch.Tensor]], clock: Clock) -> None:
+        call = Call(plan, pools, sets, row.case)
+        try:
+            copy_state(initial, pools)
+            row.variant = call.check_and_run(0)
+            clock.synchronize()
+            call.check_completions()
+            diff = differences(pools, expected)
+        except Exception as exc:  # noqa: BLE001 - any failure of the backend fails the row
+            row.status, row.reason = FAILED, f"{type(exc).__name__}: {_first_line(exc)}"
+            return
+        if diff:
+            row.status, row.reason = FAILED, f"differs from the reference: {diff}"
+            return
+        try:
+            row.timing = clock.measure(call)
+            call.check_completions()
+        except Exception as exc:  # noqa: BLE001
+            row.status, row.reason = FAILED, f"{type(exc).__name__}: {_first_line(exc)}"
+
+    def _plan(self, case: Case, backend: str) -> TransferPlan:
+        req = make_request(case.op, case.kind, case.layout, case.dtype, case.element_bytes,
+                           self.device)
+        return self.registry.resolve(req, backend)
+
+    def _pools(self, case: Case, backend: str) -> tuple[DevicePool, HostPool]:
+        dev = DevicePool.allocate(case.kind, case.num_layers, case.pool_tokens, case.head_num,
+                                  case.head_dim, case.dtype, self.device, case.page_size)
+        host = HostPool.allocate(case.kind, case.layout, case.num_layers, case.pool_tokens,
+                                 case.head_num, case.head_dim, case.dtype, case.page_size,
+                                 self.device, backend=backend, registry=self.registry)
+        return dev, host
+
+
+class Call:
+    """The measured call of one row: one transfer (or one per layer) on index set ``i % n``."""
+
+    def __init__(self, plan: TransferPlan, pools: tuple[DevicePool, HostPool],
+                 sets: list[tuple[torch.Tensor, torch.Tensor]], case: Case) -> None:
+        self.plan = plan
+        self.device_pool, self.host_pool = pools
+        self.case = case
+        self.raw_sets = sets
+        self.placed: list[PlacedIndices] = []
+        self.completions: list[Any] = []
+        self.stream = current_stream(self.device_pool.device)
+
+    def check_and_run(self, i: int) -> str:
+        """Validate and place every index set, run set ``i``; returns the variant used."""
+        page_bytes = self.plan.page_bytes(self.case.page_size, self.case.num_layers)
+        layer = 0 if self.case.op is Op.LOAD_LAYER else None
+        for h, d in self.raw_sets:
+            check_indices(self.plan, self.device_pool, self.host_pool, h, d, layer)
+            self.placed.append(self.plan.place(h, d, page_bytes))
+        self(i)
+        return self.placed[0].support.variant
+
+    def __call__(self, i: int) -> None:
+        p = self.placed[i % len(self.placed)]
+        layers = range(self.case.num_layers) if self.case.op is Op.LOAD_LAYER else [None]
+        for layer in layers:
+            done = self.plan.transfer(self.device_pool, self.host_pool, p.host, p.device,
+                                      layer=layer, stream=self.stream, check=False)
+            if done is not None:
+                self.completions.append(done)
+
+    def check_completions(self) -> None:
+        """Raise what an asynchronous failure reported (call after synchronising)."""
+        pending, self.completions = self.completions, []
+        for done in pending:
+            done.check()
+
+
+def index_sets(case: Case, gen: torch.Generator,
+               device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Disjoint batches of scattered whole pages: (host token indices, device token indices).
+
+    Device pages are a random permutation of the device pool's pages split into batches;
+    host pages are distinct random pages of the host pool.
+    """
+    n, b, p = case.index_sets, case.batch_pages, case.page_size
+    dev_pages = torch.randperm(case.total_pages, generator=gen)
+    host_pages = torch.randperm(case.total_pages, generator=gen)
+    ramp = torch.arange(p, dtype=torch.int64)
+    out = []
+    for i in range(n):
+        h = (host_pages[i * b:(i + 1) * b, None] * p + ramp).flatten()
+        d = (dev_pages[i * b:(i + 1) * b, None] * p + ramp).flatten()
+        out.append((h, d.to(device)))
+    return out
+
+
+def copy_state(src: tuple[DevicePool, HostPool], dst: tuple[DevicePool, HostPool]) -> None:
+    """Copy every buffer of ``src`` pools into ``dst`` pools of the same geometry."""
+    for s, d in zip(src[0].all_buffers(), dst[0].all_buffers(), strict=True):
+        d.copy_(s)
+    dst[1].buffer.copy_(src[1].buffer)
+
+
+def differences(got: tuple[DevicePool, HostPool],
+                expected: tuple[DevicePool, HostPool]) -> str | None:
+    """None when every byte of both pools equals the expected pools', else where it differs."""
+    wrong = []
+    for name, a, b in _buffers(got, expected):
+        ab, bb = a.view(torch.uint8), b.view(torch.uint8)
+        if not torch.equal(ab, bb):
+            count = int((ab.cpu() != bb.cpu()).sum())
+            wrong.append(f"{name} ({count} of {ab.numel()} bytes)")
+    if not wrong:
+        return None
+    return ", ".join(wrong[:4]) + (f" and {len(wrong) - 4} more buffers" if len(wrong) > 4
+                                   else "")
+
+
+def _buffers(got: tuple[DevicePool, HostPool], expected: tuple[DevicePool, HostPool],
+             ) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    out = [("host buffer", got[1].buffer, expected[1].buffer)]
+    for kv, label in ((0, "k"), (1, "v")):
+        if kv == 1 and got[0].v_buffers is None:
+            break
+        for i, (a, b) in enumerate(zip(got[0].layers(kv), expected[0].layers(kv), strict=True)):
+            out.append((f"device {label}[{i}]", a, b))
+    return out
+
+
+def add_speedups(rows: list[Row]) -> None:
+    """Set each timed row's speedup: the reference's median time over its own, same case."""
+    ref = {r.case.key(): r.timing for r in rows if r.backend == REFERENCE and r.timing}
+    for r in rows:
+        base = ref.get(r.case.key())
+        if r.timing is not None and base is not None and r.timing.median_ms > 0:
+            r.speedup = base.median_ms / r.timing.median_ms
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

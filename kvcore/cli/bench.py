@@ -1,0 +1,141 @@
+"""``kvio bench``: measure every backend side by side against the contiguous-copy ceiling."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import shlex
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from kvcore.bench import report
+from kvcore.bench.runner import Bench
+from kvcore.bench.sweep import PRESETS, expand, override
+from kvcore.cli.backends import default_device
+from kvcore.registry import default_registry
+
+#: option -> Sweep field it overrides
+AXES = {"op": "ops", "kind": "kinds", "layout": "layouts", "dtype": "dtypes",
+        "page_size": "page_sizes", "batch_pages": "batch_pages", "total_pages": "total_pages",
+        "num_layers": "num_layers", "element_dim": "element_dims"}
+
+
+def add_parser(sub: Any) -> argparse.ArgumentParser:
+    p = sub.add_parser(
+        "bench", help="measure transfer throughput of every backend against a memcpy ceiling",
+        description="Check each backend against the reference on random data, then time it "
+                    "(warm-up, repetitions, median) and compare with one contiguous copy of "
+                    "the same bytes between the same memories. Axis options take repeated "
+                    "values or comma lists and replace the preset's values.")
+    p.add_argument("--preset", choices=sorted(PRESETS), default="default",
+                   help="default: small and quick; seed: the seed table; single-page: latency "
+                        "of one 64-token page against one copy")
+    p.add_argument("--backend", action="append", default=None,
+                   help="backend to measure (repeatable; default: every available backend)")
+    for opt in AXES:
+        p.add_argument(f"--{opt.replace('_', '-')}", dest=opt, action="append", default=None,
+                       metavar="V[,V...]")
+    p.add_argument("--device", default=None,
+                   help="torch device (default: the accelerator if there is one, else cpu)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed calls per row (default 2)")
+    p.add_argument("--repeat", type=int, default=7, help="timed calls per row (default 7)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random data and indices")
+    p.add_argument("--json", metavar="FILE", help="write full records as JSON ('-': stdout)")
+    p.add_argument("--markdown", metavar="FILE", help="write the table as markdown")
+    p.add_argument("--plot", metavar="FILE.png", help="plot GiB/s and ratio (needs matplotlib)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar and no table")
+    return p
+
+
+def _split(values: list[str] | None) -> list[str] | None:
+    if not values:
+        return None
+    return [v.strip() for item in values for v in item.split(",") if v.strip()]
+
+
+def command_line(args: argparse.Namespace) -> str:
+    """The command that repeats this run: every option that differs from its default."""
+    words = ["kvio", "bench", "--preset", args.preset]
+    for opt in ("backend", *AXES):
+        for value in _split(getattr(args, opt)) or []:
+            words += [f"--{opt.replace('_', '-')}", value]
+    for opt, default in (("device", None), ("warmup", 2), ("repeat", 7), ("seed", 0),
+                         ("json", None), ("markdown", None), ("plot", None)):
+        value = getattr(args, opt)
+        if value != default:
+            words += [f"--{opt}", str(value)]
+    if args.quiet:
+        words.append("--quiet")
+    return " ".join(shlex.quote(w) for w in words)
+
+
+def run(args: argparse.Namespace) -> int:
+    sweep = override(PRESETS[args.preset],
+                     **{field: _split(getattr(args, opt)) for opt, field in AXES.items()})
+    cases = expand(sweep)
+    device = torch.device(args.device) if args.device else default_device()
+    bench = Bench(registry=default_registry(), device=device, cases=cases,
+                  backends=_split(args.backend), warmup=args.warmup, repeat=args.repeat,
+                  seed=args.seed, settings={"preset": args.preset})
+    total = len(cases) * len(bench.backend_names())
+    json_to_stdout = args.json == "-"
+    show = not args.quiet and not json_to_stdout and sys.stdout.isatty()
+    with progress(total, show) as advance:
+        result = bench.run(advance)
+    cmd = command_line(args)
+    latency = args.preset == "single-page"
+    if not args.quiet and not json_to_stdout:
+        print(report.text_table(result, latency))
+    if args.json:
+        text = report.to_json(result, cmd)
+        if json_to_stdout:
+            print(text)
+        else:
+            _write(args.json, text + "\n")
+    if args.markdown:
+        _write(args.markdown, report.markdown(result, cmd, latency))
+    if args.plot:
+        from kvcore.bench.plot import plot
+
+        plot(result, args.plot)
+    return 1 if any(r.status == "failed" for r in result.rows) else 0
+
+
+def _write(path: str, text: str) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+
+
+@contextlib.contextmanager
+def progress(total: int, show: bool) -> Iterator[Callable[[str], None] | None]:
+    """A progress bar (rich, else tqdm) when ``show``; yields its advance(label) or None."""
+    if not show:
+        yield None
+        return
+    try:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+    except ImportError:
+        rich_progress = None
+    else:
+        rich_progress = Progress(TextColumn("{task.description:<48}"), BarColumn(),
+                                 MofNCompleteColumn(), transient=True)
+    if rich_progress is not None:
+        with rich_progress as bar:
+            task = bar.add_task("kvio bench", total=total)
+            yield lambda label: bar.update(task, advance=1, description=label)
+        return
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        yield None
+        return
+    with tqdm(total=total, leave=False) as bar:
+
+        def advance(label: str) -> None:
+            bar.set_description(label)
+            bar.update(1)
+
+        yield advance

@@ -1,0 +1,129 @@
+"""Running the benchmark: checked rows are timed, wrong backends fail untimed, JSON validates."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jsonschema
+import pytest
+import torch
+
+from kvcore.bench import report
+from kvcore.bench.runner import FAILED, OK, UNSUPPORTED, Bench
+from kvcore.cli import main
+from kvcore.layout import Kind, Layout, Op
+from kvcore.registry import REFERENCE, default_registry
+
+from .helpers import case, register
+
+CPU = torch.device("cpu")
+SMALL = ["--page-size", "4", "--batch-pages", "2", "--total-pages", "4", "--num-layers", "2",
+         "--element-dim", "128", "--warmup", "1", "--repeat", "2"]
+
+
+def cases() -> list:
+    return [case(op, kind, layers=2, elem=128, page=4, batch=2, total=4)
+            for op in Op for kind in Kind]
+
+
+def validate(doc: dict) -> None:
+    jsonschema.validate(doc, report.schema(), cls=jsonschema.Draft202012Validator)
+
+
+def test_reference_rows_are_timed_with_ceiling_and_speedup() -> None:
+    result = Bench(default_registry(), CPU, cases(), backends=[REFERENCE], warmup=1,
+                   repeat=3).run()
+    assert len(result.rows) == 6
+    for row in result.rows:
+        assert row.status == OK, row.reason
+        assert len(row.timing.samples_ms) == 3
+        assert row.ceiling is not None and row.ceiling_kind == "memcpy"
+        assert row.ratio == pytest.approx(row.ceiling.median_ms / row.timing.median_ms)
+        assert row.speedup == pytest.approx(1.0)
+    assert result.machine["pinned"] is False and result.machine["cpu_count"] >= 1
+    validate(json.loads(report.to_json(result, "kvio bench")))
+
+
+@pytest.mark.parametrize("after", ["corrupt", "raise"])
+def test_a_wrong_backend_is_marked_failed_and_never_timed(after: str) -> None:
+    with default_registry().isolated() as reg:
+        instances = register(reg, "wrong", after)
+        result = Bench(reg, CPU, cases(), backends=[REFERENCE, "wrong"], warmup=1,
+                       repeat=3).run()
+    wrong = [r for r in result.rows if r.backend == "wrong"]
+    assert len(wrong) == 6
+    for row in wrong:
+        assert row.status == FAILED
+        assert row.timing is None and row.ratio is None and row.speedup is None
+        expected = "differs from the reference" if after == "corrupt" else "deliberate failure"
+        assert expected in row.reason
+    # one run per row for the check (one per layer for per-layer load), none for timing
+    layer_calls = 2 if after == "corrupt" else 1
+    assert instances["cpu"].runs == 4 + 2 * layer_calls
+    assert all(r.status == OK for r in result.rows if r.backend == REFERENCE)
+    doc = json.loads(report.to_json(result, "kvio bench"))
+    validate(doc)
+    assert "not timed:" in report.text_table(result)
+
+
+def test_a_backend_without_the_op_is_unsupported() -> None:
+    with default_registry().isolated() as reg:
+        register(reg, "partial", "none", ops=(Op.WRITE_BACK,))
+        result = Bench(reg, CPU, cases(), backends=["partial"], warmup=0, repeat=1).run()
+    status = {r.case.op: r.status for r in result.rows}
+    assert status == {Op.WRITE_BACK: OK, Op.LOAD_LAYER: UNSUPPORTED, Op.LOAD_ALL: UNSUPPORTED}
+    assert all(r.speedup is None for r in result.rows)  # the reference was not among them
+
+
+def test_default_backends_are_the_available_ones_reference_first() -> None:
+    with default_registry().isolated() as reg:
+        register(reg, "aaa", "none")
+        names = Bench(reg, CPU, []).backend_names()
+    assert names[0] == REFERENCE and "aaa" in names
+
+
+def test_cli_writes_json_markdown_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    out, md, png = tmp_path / "b.json", tmp_path / "b.md", tmp_path / "b.png"
+    argv = ["bench", *SMALL, "--op", "write_back,load_layer", "--layout", "layer_first",
+            "--json", str(out), "--markdown", str(md)]
+    if _has_matplotlib():
+        argv += ["--plot", str(png)]
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert "ratio" in text and "reference" in text
+    doc = json.loads(out.read_text())
+    validate(doc)
+    assert {r["op"] for r in doc["rows"]} == {"write_back", "load_layer"}
+    assert {r["layout"] for r in doc["rows"]} == {Layout.LAYER_FIRST.value}
+    assert all(r["status"] == "ok" and r["ratio"] > 0 for r in doc["rows"])
+    assert "| backend |" in md.read_text() and "--markdown" in md.read_text()
+    if _has_matplotlib():
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_json_to_stdout(capsys: pytest.CaptureFixture) -> None:
+    assert main(["bench", *SMALL, "--op", "load_all", "--kind", "mla", "--json", "-"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    validate(doc)
+    assert [r["bytes"] for r in doc["rows"]] == [1 * 2 * 2 * 4 * 128 * 2] * 2
+
+
+def test_schema_rejects_a_failed_row_with_timings() -> None:
+    with default_registry().isolated() as reg:
+        register(reg, "wrong", "corrupt")
+        result = Bench(reg, CPU, cases()[:1], backends=["wrong"], warmup=0, repeat=1).run()
+    doc = json.loads(report.to_json(result, "kvio bench"))
+    validate(doc)
+    doc["rows"][0]["timing"] = {"median_ms": 1.0, "min_ms": 1.0, "max_ms": 1.0,
+                                "spread_pct": 0.0, "samples_ms": [1.0]}
+    with pytest.raises(jsonschema.ValidationError):
+        validate(doc)
+
+
+def _has_matplotlib() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
