@@ -80,7 +80,7 @@ class NativeBackend:
         pool = job.device_pool
         if pool.device != self.device:
             raise InvalidArgument("device_pool", f"tensors on {self.device}", str(pool.device))
-        layout = self.make_layout(**layout_fields(job.host_strides))
+        layout = self.make_layout(layout_fields(job.host_strides))
         k_ptrs = pool.k_ptrs.data_ptr()
         v_ptrs = pool.v_ptrs.data_ptr() if pool.v_ptrs is not None else 0
         stream = self.stream_handle(job.stream)

@@ -30,7 +30,7 @@ __version__ = "0.1.0"
 MIN_COMPUTE_CAPABILITY = (8, 0)
 
 
-def probe() -> Availability:
+def check_availability() -> Availability:
     """Available when torch is a CUDA build, an NVIDIA GPU is visible and nvcc (or a built
     library) is at hand. Never raises."""
     if torch.version.cuda is None or getattr(torch.version, "hip", None):
@@ -61,7 +61,7 @@ CAPABILITIES = Capabilities(
     api_version=API_VERSION,
     platform="cuda",
     priority=100,
-    probe=probe,
+    probe=check_availability,
     ops=native_ops(),
     host_memory=HostMemory.PINNED,
     device_types=frozenset({"cuda"}),

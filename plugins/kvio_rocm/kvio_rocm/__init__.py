@@ -27,7 +27,7 @@ from kvcore.native import native_ops
 __version__ = "0.1.0"
 
 
-def probe() -> Availability:
+def check_availability() -> Availability:
     """Available on a ROCm build of torch with a visible AMD GPU and a compiler for its gfx."""
     from kvio_rocm.probe import probe as rocm_probe
 
@@ -41,7 +41,7 @@ CAPABILITIES = Capabilities(
     api_version=API_VERSION,
     platform="rocm",
     priority=100,
-    probe=probe,
+    probe=check_availability,
     ops=native_ops(),
     host_memory=HostMemory.PINNED,  # hipHostMalloc / torch pinned: device address == host
     device_types=frozenset({"cuda"}),  # torch's device type for HIP devices

@@ -1,0 +1,56 @@
+/* The C ABI of docs/native-abi.md, as the ROCm library exports it.
+ *
+ * Plain C (no HIP types) so that ctypes, the CPU emulation build and hipcc all read the same
+ * declarations. Pointers documented as "device" are device addresses; host_base is an address
+ * the GPU may dereference at the same value (hipHostMalloc / torch pinned memory, see
+ * kvio_device.h). */
+#ifndef KVIO_ROCM_ABI_H
+#define KVIO_ROCM_ABI_H
+
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define KVIO_ABI_VERSION 1
+
+#if defined(_WIN32)
+#define KVIO_API __declspec(dllexport)
+#else
+#define KVIO_API __attribute__((visibility("default")))
+#endif
+
+typedef struct kvio_layout {
+    int64_t kv_stride;    /* bytes */
+    int64_t layer_stride; /* bytes */
+    int64_t page_stride;  /* bytes */
+    int64_t token_stride; /* bytes, between tokens of one page */
+    int64_t chunk_stride; /* bytes, between chunks of one element (page_head: heads) */
+    int64_t page_size;    /* tokens per page */
+    int64_t chunk_bytes;  /* contiguous bytes of one chunk */
+    int64_t num_chunks;   /* chunks per element */
+} kvio_layout;
+
+KVIO_API int kvio_abi_version(void);
+KVIO_API const char* kvio_error_string(int code);
+
+KVIO_API int kvio_transfer_direct(int direction, const uint64_t* k_ptrs, const uint64_t* v_ptrs,
+                                  int32_t layer_begin, int32_t layer_count, void* host_base,
+                                  kvio_layout layout, const void* host_idx, int host_idx_64,
+                                  const void* dev_idx, int dev_idx_64, int64_t n_tokens,
+                                  void* stream);
+
+KVIO_API int kvio_write_back_staged(const uint64_t* k_ptrs, const uint64_t* v_ptrs,
+                                    int32_t num_layers, void* host_base, kvio_layout layout,
+                                    const int64_t* host_idx_cpu, const void* dev_idx,
+                                    int dev_idx_64, int64_t n_tokens, void* staging,
+                                    int64_t staging_bytes, int use_batched, void* stream);
+
+KVIO_API int kvio_has_batched_memcpy(void);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* KVIO_ROCM_ABI_H */

@@ -1,0 +1,363 @@
+"""kvio_rocm's launcher and kernel index math, run on the CPU.
+
+The real host source (csrc/kvio_rocm.hip) and the real kernel bodies (csrc/kvio_device.h) are
+compiled as a CPU library with -DKVIO_EMULATE (csrc/kvio_emul.h stands in for the HIP calls)
+and driven through the real ctypes binding. Results must equal what kvcore.layout's
+canonical view says, bit for bit, with poisoned destinations and untouched regions checked.
+Launches are split at 32768 work-items and run on 8 workgroups in emulation, so the launch
+split and the grid-stride loop are covered too.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+import os
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from kvio_rocm import build
+from kvio_rocm._native import NativeLibrary
+
+from kvcore.errors import BuildError, KernelError
+from kvcore.layout import Geometry, Kind, Layout, byte_strides, canonical_view, host_shape
+
+POISON = 0x5A
+
+
+@pytest.fixture(scope="module")
+def emul(tmp_path_factory: pytest.TempPathFactory) -> tuple[NativeLibrary, ctypes.CDLL]:
+    try:
+        cxx = build.find_emulation_compiler()
+    except BuildError as exc:
+        if os.environ.get("KVIO_REQUIRE_CODEGEN"):
+            pytest.fail(str(exc))
+        pytest.skip(str(exc))
+    cache = tmp_path_factory.mktemp("kvio_rocm_emul_cache")
+    cache.chmod(stat.S_IRWXU)
+    path = build.build_emulated(cache_dir=Path(cache), cxx=cxx)
+    raw = ctypes.CDLL(str(path))
+    raw.kvio_emul_counters.argtypes = [ctypes.POINTER(ctypes.c_int64)]
+    raw.kvio_emul_fail_next.argtypes = [ctypes.c_int, ctypes.c_int]
+    return NativeLibrary(path), raw
+
+
+def counters(raw: ctypes.CDLL) -> dict[str, int]:
+    buf = (ctypes.c_int64 * 6)()
+    raw.kvio_emul_counters(buf)
+    names = ("launches", "items", "memcpy", "batch_calls", "batch_copies", "bytes")
+    return dict(zip(names, (int(x) for x in buf), strict=True))
+
+
+@dataclass
+class Pool:
+    """A 'device' pool on the CPU: per layer one K and one V tensor (MLA: one latent)."""
+
+    layers: list[list[torch.Tensor]]  # [kv][layer] -> (tokens, heads, dim)
+    ptrs: list[torch.Tensor]  # [kv] -> int64 table of layer addresses
+
+    @property
+    def k_ptrs(self) -> int:
+        return self.ptrs[0].data_ptr()
+
+    @property
+    def v_ptrs(self) -> int:
+        return self.ptrs[1].data_ptr() if len(self.ptrs) > 1 else 0
+
+
+def random_like(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    raw = torch.randint(0, 256, (*shape[:-1], shape[-1] * dtype.itemsize), generator=gen,
+                        dtype=torch.uint8)
+    return raw.view(dtype)
+
+
+def make_pool(g: Geometry, dtype: torch.dtype, tokens: int, gen: torch.Generator,
+              poison: bool = False) -> Pool:
+    layers = []
+    for _ in range(g.kv_count):
+        per = []
+        for _ in range(g.num_layers):
+            if poison:
+                t = torch.full((tokens, g.head_num, g.head_dim * dtype.itemsize), POISON,
+                               dtype=torch.uint8).view(dtype)
+            else:
+                t = random_like((tokens, g.head_num, g.head_dim), dtype, gen)
+            per.append(t)
+        layers.append(per)
+    ptrs = [torch.tensor([t.data_ptr() for t in per], dtype=torch.int64) for per in layers]
+    return Pool(layers, ptrs)
+
+
+def page_indices(g: Geometry, pages: list[int], dtype: torch.dtype) -> torch.Tensor:
+    p = torch.tensor(pages, dtype=torch.int64)
+    return (p[:, None] * g.page_size + torch.arange(g.page_size)).flatten().to(dtype)
+
+
+CASES = [
+    # kind, layout, heads, head_dim, dtype -> chunk bytes 16k (v16), 8 (v8), odd (v1)
+    (Kind.MHA, Layout.LAYER_FIRST, 2, 8, torch.bfloat16),
+    (Kind.MHA, Layout.PAGE_FIRST, 2, 8, torch.float16),
+    (Kind.MHA, Layout.PAGE_FIRST_DIRECT, 2, 8, torch.bfloat16),
+    (Kind.MHA, Layout.PAGE_HEAD, 3, 8, torch.bfloat16),
+    (Kind.MHA, Layout.PAGE_HEAD, 2, 4, torch.float16),  # 8-byte chunks
+    (Kind.MHA, Layout.PAGE_FIRST, 1, 4, torch.float16),  # 8-byte elements
+    (Kind.MHA, Layout.LAYER_FIRST, 1, 5, torch.uint8),  # 5-byte elements: byte path
+    (Kind.MHA, Layout.PAGE_HEAD, 2, 3, torch.uint8),  # 3-byte chunks: byte path
+    (Kind.MLA, Layout.LAYER_FIRST, 1, 72, torch.bfloat16),  # 144 bytes
+    (Kind.MLA, Layout.PAGE_FIRST, 1, 36, torch.bfloat16),  # 72 bytes: v8
+    (Kind.MLA, Layout.PAGE_FIRST_DIRECT, 1, 11, torch.uint8),
+]
+
+
+def case_id(c: tuple) -> str:
+    kind, layout, h, d, dt = c
+    return f"{kind.value}-{layout.value}-h{h}d{d}-{str(dt).removeprefix('torch.')}"
+
+
+@pytest.mark.parametrize("case", CASES, ids=[case_id(c) for c in CASES])
+@pytest.mark.parametrize("direction", [0, 1], ids=["d2h", "h2d"])
+@pytest.mark.parametrize("idx", [(torch.int64, torch.int64), (torch.int32, torch.int32),
+                                 (torch.int64, torch.int32)], ids=["i64", "i32", "mixed"])
+def test_transfer_direct_matches_layout(emul, case, direction, idx) -> None:
+    lib, _ = emul
+    kind, layout, heads, dim, dtype = case
+    L, P, size, dev_tokens = 4, 4, 64, 80
+    g = Geometry(kind=kind, layout=layout, num_layers=L, size=size, head_num=heads,
+                 head_dim=dim, page_size=P)
+    gen = torch.Generator().manual_seed(hash((case_id(case), direction)) & 0xFFFF)
+    pages = torch.randperm(g.num_pages, generator=gen)[:9].tolist()
+    host_idx = page_indices(g, pages, idx[0])
+    n = host_idx.numel()
+    dev_idx = torch.randperm(dev_tokens, generator=gen)[:n].to(idx[1])
+    layer_begin, layer_count = (0, L) if direction == 0 else (1, 2)
+    layers = range(layer_begin, layer_begin + layer_count)
+    strides = byte_strides(g, dtype.itemsize)
+
+    if direction == 0:
+        pool = make_pool(g, dtype, dev_tokens, gen)
+        host = torch.full((int(torch.tensor(host_shape(g)).prod()) * dtype.itemsize,), POISON,
+                          dtype=torch.uint8).view(dtype).view(host_shape(g))
+        expected = host.clone()
+        view = canonical_view(expected, g)
+        h = host_idx.long()
+        for kv, layer in itertools.product(range(g.kv_count), layers):
+            view[kv, layer, h // P, h % P] = pool.layers[kv][layer][dev_idx.long()]
+    else:
+        pool = make_pool(g, dtype, dev_tokens, gen, poison=True)
+        host = random_like(host_shape(g), dtype, gen)
+        view = canonical_view(host, g)
+        h = host_idx.long()
+        expected_layers = [[t.clone() for t in per] for per in pool.layers]
+        for kv, layer in itertools.product(range(g.kv_count), layers):
+            expected_layers[kv][layer][dev_idx.long()] = view[kv, layer, h // P, h % P]
+
+    lib.transfer_direct(direction, pool.k_ptrs, pool.v_ptrs, layer_begin, layer_count,
+                        host.data_ptr(), strides, host_idx.data_ptr(),
+                        int(host_idx.dtype == torch.int64), dev_idx.data_ptr(),
+                        int(dev_idx.dtype == torch.int64), n, 0)
+
+    if direction == 0:
+        assert torch.equal(host.view(torch.uint8), expected.view(torch.uint8))
+    else:
+        for kv, layer in itertools.product(range(g.kv_count), range(L)):
+            got, want = pool.layers[kv][layer], expected_layers[kv][layer]
+            assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), (kv, layer)
+
+
+def test_launch_is_split_and_grid_strided(emul) -> None:
+    """51200 byte-path items: two launches (split at 32768), each over 8 workgroups."""
+    lib, raw = emul
+    g = Geometry(kind=Kind.MHA, layout=Layout.PAGE_FIRST, num_layers=4, size=256, head_num=1,
+                 head_dim=25, page_size=8)
+    gen = torch.Generator().manual_seed(7)
+    pool = make_pool(g, torch.uint8, 300, gen)
+    host = torch.zeros(host_shape(g), dtype=torch.uint8)
+    host_idx = page_indices(g, list(range(g.num_pages))[::-1], torch.int64)
+    dev_idx = torch.randperm(300, generator=gen)[: host_idx.numel()]
+    raw.kvio_emul_reset()
+    lib.transfer_direct(0, pool.k_ptrs, pool.v_ptrs, 0, 4, host.data_ptr(),
+                        byte_strides(g, 1), host_idx.data_ptr(), 1, dev_idx.data_ptr(), 1,
+                        host_idx.numel(), 0)
+    c = counters(raw)
+    assert c["launches"] == 2
+    assert c["items"] == 2 * 8 * 256  # two launches of 8 workgroups of 256 work-items
+    view = canonical_view(host, g)
+    for kv, layer in itertools.product(range(2), range(4)):
+        assert torch.equal(view[kv, layer, host_idx // 8, host_idx % 8],
+                           pool.layers[kv][layer][dev_idx])
+
+
+STAGED = [
+    (Kind.MHA, Layout.PAGE_FIRST, 2, 8, torch.bfloat16),
+    (Kind.MHA, Layout.PAGE_FIRST_DIRECT, 2, 8, torch.bfloat16),
+    (Kind.MHA, Layout.PAGE_HEAD, 2, 8, torch.float16),
+    (Kind.MLA, Layout.PAGE_FIRST, 1, 36, torch.bfloat16),
+    (Kind.MLA, Layout.PAGE_FIRST_DIRECT, 1, 5, torch.uint8),
+]
+
+
+def expected_runs(pages: list[int], per_chunk: int, kv_count: int) -> int:
+    """Copies the staged write-back issues: per chunk and K/V, one per run of consecutive
+    host pages."""
+    total = 0
+    for c0 in range(0, len(pages), per_chunk):
+        chunk = pages[c0:c0 + per_chunk]
+        runs = 1 + sum(1 for a, b in itertools.pairwise(chunk) if b != a + 1)
+        total += runs * kv_count
+    return total
+
+
+@pytest.mark.parametrize("case", STAGED, ids=[case_id(c) for c in STAGED])
+@pytest.mark.parametrize("use_batched", [1, 0], ids=["batched", "per-run"])
+@pytest.mark.parametrize("dev64", [1, 0], ids=["dev-i64", "dev-i32"])
+def test_write_back_staged(emul, case, use_batched, dev64) -> None:
+    lib, raw = emul
+    kind, layout, heads, dim, dtype = case
+    L, P, size, dev_tokens = 3, 4, 96, 120
+    g = Geometry(kind=kind, layout=layout, num_layers=L, size=size, head_num=heads,
+                 head_dim=dim, page_size=P)
+    gen = torch.Generator().manual_seed(11)
+    pool = make_pool(g, dtype, dev_tokens, gen)
+    pages = [3, 4, 5, 9, 1, 2, 20, 21, 22, 23, 7]  # runs, breaks and a reversed step
+    host_idx = page_indices(g, pages, torch.int64)
+    n = host_idx.numel()
+    dev_idx = torch.randperm(dev_tokens, generator=gen)[:n].to(
+        torch.int64 if dev64 else torch.int32)
+    page_bytes = L * P * heads * dim * dtype.itemsize
+    per_chunk = 4
+    staging = torch.full((per_chunk * page_bytes * g.kv_count + 5,), POISON, dtype=torch.uint8)
+    host = torch.full(host_shape(g), 0, dtype=dtype)
+    host.view(torch.uint8).fill_(POISON)
+    expected = host.clone()
+    view = canonical_view(expected, g)
+    for kv, layer in itertools.product(range(g.kv_count), range(L)):
+        view[kv, layer, host_idx // P, host_idx % P] = pool.layers[kv][layer][dev_idx.long()]
+
+    raw.kvio_emul_reset()
+    lib.write_back_staged(pool.k_ptrs, pool.v_ptrs, L, host.data_ptr(), byte_strides(g,
+                          dtype.itemsize), host_idx.data_ptr(), dev_idx.data_ptr(), dev64, n,
+                          staging.data_ptr(), staging.numel(), use_batched, 0)
+    assert torch.equal(host.view(torch.uint8), expected.view(torch.uint8))
+    c = counters(raw)
+    chunks = -(-len(pages) // per_chunk)
+    runs = expected_runs(pages, per_chunk, g.kv_count)
+    assert c["launches"] == chunks
+    assert c["bytes"] == len(pages) * page_bytes * g.kv_count
+    if use_batched:
+        assert lib.has_batched_memcpy()
+        assert (c["batch_calls"], c["batch_copies"], c["memcpy"]) == (chunks, runs, 0)
+    else:
+        assert (c["batch_calls"], c["memcpy"]) == (0, runs)
+
+
+def _mha_page_first() -> tuple[Geometry, Pool, torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = Geometry(kind=Kind.MHA, layout=Layout.PAGE_FIRST, num_layers=2, size=16, head_num=1,
+                 head_dim=8, page_size=4)
+    pool = make_pool(g, torch.float16, 16, torch.Generator().manual_seed(1))
+    host = torch.zeros(host_shape(g), dtype=torch.float16)
+    host_idx = page_indices(g, [1, 2], torch.int64)
+    dev_idx = torch.arange(8, dtype=torch.int64)
+    return g, pool, host, host_idx, dev_idx
+
+
+def test_launch_error_becomes_kernel_error(emul) -> None:
+    lib, raw = emul
+    g, pool, host, host_idx, dev_idx = _mha_page_first()
+    raw.kvio_emul_reset()
+    raw.kvio_emul_fail_next(0, 719)  # the launch fails; hipGetLastError reports it
+    with pytest.raises(KernelError) as err:
+        lib.transfer_direct(1, pool.k_ptrs, pool.v_ptrs, 0, 2, host.data_ptr(),
+                            byte_strides(g, 2), host_idx.data_ptr(), 1, dev_idx.data_ptr(), 1,
+                            8, 0)
+    assert err.value.code == 719
+    assert str(err.value) == ("kvio_transfer_direct: unspecified launch failure "
+                              "(hip error 719)")
+
+
+@pytest.mark.parametrize("which,use_batched", [(1, 0), (2, 1)], ids=["memcpy", "batch"])
+def test_copy_error_becomes_kernel_error(emul, which, use_batched) -> None:
+    lib, raw = emul
+    g, pool, host, host_idx, dev_idx = _mha_page_first()
+    staging = torch.empty(1 << 12, dtype=torch.uint8)
+    raw.kvio_emul_reset()
+    raw.kvio_emul_fail_next(which, 2)
+    with pytest.raises(KernelError, match=r"kvio_write_back_staged: out of memory "
+                                          r"\(hip error 2\)") as err:
+        lib.write_back_staged(pool.k_ptrs, pool.v_ptrs, 2, host.data_ptr(), byte_strides(g, 2),
+                              host_idx.data_ptr(), dev_idx.data_ptr(), 1, 8,
+                              staging.data_ptr(), staging.numel(), use_batched, 0)
+    assert err.value.code == 2
+
+
+def test_batch_not_supported_falls_back_to_per_run(emul) -> None:
+    lib, raw = emul
+    g, pool, host, host_idx, dev_idx = _mha_page_first()
+    staging = torch.empty(1 << 12, dtype=torch.uint8)
+    raw.kvio_emul_reset()
+    raw.kvio_emul_fail_next(2, 801)  # hipErrorNotSupported from the batch entry point
+    lib.write_back_staged(pool.k_ptrs, pool.v_ptrs, 2, host.data_ptr(), byte_strides(g, 2),
+                          host_idx.data_ptr(), dev_idx.data_ptr(), 1, 8, staging.data_ptr(),
+                          staging.numel(), 1, 0)
+    c = counters(raw)
+    assert c["memcpy"] == 2  # pages 1, 2 merged: one run per K/V
+    view = canonical_view(host, g)
+    for kv, layer in itertools.product(range(2), range(2)):
+        got = view[kv, layer, host_idx // 4, host_idx % 4]
+        assert torch.equal(got.view(torch.uint8), pool.layers[kv][layer][dev_idx].view(torch.uint8))
+
+
+@pytest.mark.parametrize("what", ["unaligned-tokens", "tiny-staging", "not-contiguous",
+                                  "unaligned-page"])
+def test_staged_refusals_are_invalid_value(emul, what) -> None:
+    lib, _ = emul
+    g, pool, host, host_idx, dev_idx = _mha_page_first()
+    strides = byte_strides(g, 2)
+    staging = torch.empty(1 << 12, dtype=torch.uint8)
+    n, staging_bytes = 8, staging.numel()
+    if what == "unaligned-tokens":
+        n = 6
+    elif what == "tiny-staging":
+        staging_bytes = 100
+    elif what == "not-contiguous":
+        lf = Geometry(kind=Kind.MHA, layout=Layout.LAYER_FIRST, num_layers=2, size=16,
+                      head_num=1, head_dim=8, page_size=4)
+        strides = byte_strides(lf, 2)
+    else:
+        host_idx = host_idx + 1
+    with pytest.raises(KernelError, match=r"invalid argument \(hip error 1\)") as err:
+        lib.write_back_staged(pool.k_ptrs, pool.v_ptrs, 2, host.data_ptr(), strides,
+                              host_idx.data_ptr(), dev_idx.data_ptr(), 1, n,
+                              staging.data_ptr(), staging_bytes, 1, 0)
+    assert err.value.code == 1
+
+
+def test_direct_refusals_and_no_ops(emul) -> None:
+    lib, raw = emul
+    g, pool, host, host_idx, dev_idx = _mha_page_first()
+    fields = {k: getattr(byte_strides(g, 2), k) for k in (
+        "kv_stride", "layer_stride", "page_stride", "token_stride", "chunk_stride",
+        "page_size", "chunk_bytes", "num_chunks")}
+    with pytest.raises(KernelError) as err:
+        lib.transfer_direct(2, pool.k_ptrs, pool.v_ptrs, 0, 2, host.data_ptr(), fields,
+                            host_idx.data_ptr(), 1, dev_idx.data_ptr(), 1, 8, 0)
+    assert err.value.code == 1
+    with pytest.raises(KernelError):
+        lib.transfer_direct(0, pool.k_ptrs, pool.v_ptrs, 0, 2, host.data_ptr(),
+                            {**fields, "chunk_bytes": 0}, host_idx.data_ptr(), 1,
+                            dev_idx.data_ptr(), 1, 8, 0)
+    raw.kvio_emul_reset()
+    lib.transfer_direct(0, pool.k_ptrs, pool.v_ptrs, 0, 2, host.data_ptr(), fields,
+                        host_idx.data_ptr(), 1, dev_idx.data_ptr(), 1, 0, 0)  # no tokens
+    lib.transfer_direct(0, pool.k_ptrs, pool.v_ptrs, 0, 0, host.data_ptr(), fields,
+                        host_idx.data_ptr(), 1, dev_idx.data_ptr(), 1, 8, 0)  # no layers
+    assert counters(raw)["launches"] == 0
+
+
+def test_library_facts(emul) -> None:
+    lib, _ = emul
+    assert lib.abi_version() == 1
+    assert lib.has_batched_memcpy() is True  # found by dladdr + dlsym, like libamdhip64's
+    assert lib.error_string(1) == "invalid argument"
