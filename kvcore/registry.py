@@ -158,6 +158,7 @@ class Registry:
             broken = BrokenPlugin(ep.name, dist, exc, traceback.format_exc())
             self._broken[ep.name] = broken
             if _strict(self._environ):
+                self._discovered = False  # stay fatal on the next query, not half-discovered
                 raise PluginLoadError(broken.reason + " (KVCORE_STRICT=1)") from exc
 
     def register(self, spec: BackendSpec, source: str = "in-process",

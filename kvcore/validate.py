@@ -84,6 +84,10 @@ def check_indices(plan: TransferPlan, device_pool: DevicePool, host_pool: HostPo
     ctx = plan.context
     h = check_index_tensor("host_indices", host_indices, ctx)
     d = check_index_tensor("device_indices", device_indices, ctx)
+    for name, t in (("host_indices", h), ("device_indices", d)):
+        if t.device.type != "cpu" and t.device != device_pool.device:
+            raise TensorMismatch(name, f"a tensor on cpu or {device_pool.device}",
+                                 describe_tensor(t), ctx)
     if h.numel() != d.numel():
         raise InvalidIndices("device_indices", f"{h.numel()} entries (as many as host_indices)",
                              f"{d.numel()}", ctx)

@@ -1,0 +1,121 @@
+"""``kvio backends``: availability with concrete reasons, --json, --explain, broken plugins."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+
+import pytest
+
+from kvcore.cli import main
+
+from .helpers import BROKEN_PLUGIN_SOURCE
+
+FakePlugin = Callable[[str], tuple[str, str]]
+
+
+@pytest.fixture(autouse=True)
+def _env(clean_env: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    return clean_env
+
+
+def _kvio(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    rc = main(["backends", *argv])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def _facts(capsys: pytest.CaptureFixture[str]) -> dict[str, dict]:
+    rc, out, _ = _kvio(capsys, "--json")
+    assert rc == 0
+    facts = json.loads(out)
+    assert isinstance(facts, list)
+    return {f["name"]: f for f in facts}
+
+
+def test_table_lists_reference_available_and_gpu_backends_with_a_reason(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, _ = _kvio(capsys)
+    assert rc == 0
+    lines = out.splitlines()
+    heads = {line.split()[0]: line for line in lines if line and not line.startswith(" ")}
+    assert heads["reference"].endswith(" available")
+    for name in ("cuda", "rocm"):
+        assert heads[name].endswith("UNAVAILABLE")
+        why = lines[lines.index(heads[name]) + 1].strip()
+        assert why.startswith("why: ") and len(why) > len("why: ") + 10
+
+
+def test_json_parses_and_says_why(capsys: pytest.CaptureFixture[str]) -> None:
+    facts = _facts(capsys)
+    ref = facts["reference"]
+    assert ref["available"] is True
+    assert ref["api_version"] == 1 and ref["priority"] == 0
+    assert {op["op"] for op in ref["ops"]} == {"write_back", "load_layer", "load_all"}
+    assert all(op["host_index"]["residency"] == "host" for op in ref["ops"])
+    for name in ("cuda", "rocm"):
+        assert facts[name]["available"] is False
+        assert isinstance(facts[name]["reason"], str) and facts[name]["reason"].strip()
+
+
+def test_broken_plugin_is_listed(capsys: pytest.CaptureFixture[str],
+                                 fake_plugin: FakePlugin) -> None:
+    ep, dist = fake_plugin(BROKEN_PLUGIN_SOURCE)
+    broken = _facts(capsys)[ep]
+    assert broken["broken"] is True and broken["available"] is False
+    assert "RuntimeError: fake plugin exploded on import" in broken["reason"]
+    assert broken["distribution"] == dist
+    rc, out, _ = _kvio(capsys)
+    assert rc == 0 and f"{ep} ? [?, priority -] UNAVAILABLE" in out
+    assert "exploded" in out
+
+
+def test_broken_plugin_under_strict_fails_the_command(capsys: pytest.CaptureFixture[str],
+                                                      fake_plugin: FakePlugin,
+                                                      clean_env: pytest.MonkeyPatch) -> None:
+    ep, _ = fake_plugin(BROKEN_PLUGIN_SOURCE)
+    clean_env.setenv("KVCORE_STRICT", "1")
+    rc, out, err = _kvio(capsys)
+    assert rc == 2 and out == ""
+    assert "PluginLoadError" in err and ep in err
+
+
+def test_plugins_env_reaches_the_command(capsys: pytest.CaptureFixture[str],
+                                         clean_env: pytest.MonkeyPatch) -> None:
+    clean_env.setenv("KVCORE_PLUGINS", "")
+    assert set(_facts(capsys)) == {"reference"}
+
+
+def test_explain_chooses_reference_on_cpu(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, _ = _kvio(capsys, "--explain", "--device", "cpu", "--layout", "page_head")
+    assert rc == 0
+    assert "request: write_back mha/page_head bfloat16 element 1024 B on cpu" in out
+    assert "chosen:  reference (variants: default)" in out
+    assert "  cuda: " in out
+
+
+def test_explain_json(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, _ = _kvio(capsys, "--explain", "--json", "--device", "cpu", "--op", "load_layer",
+                       "--kind", "mla", "--dtype", "float16", "--element-bytes", "144")
+    assert rc == 0
+    result = json.loads(out)
+    assert result["chosen"] == "reference"
+    assert result["request"] == "load_layer mla/page_first float16 element 144 B on cpu"
+    assert {"reference", "cuda", "rocm"} <= set(result["candidates_in_order"])
+    assert result["candidates_in_order"][-1] == "reference"  # lowest priority
+    assert result["refused"]["cuda"] and result["refused"]["rocm"]
+
+
+def test_explain_forced_unknown_backend_fails_cleanly(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, err = _kvio(capsys, "--explain", "--device", "cpu", "--backend", "nosuch")
+    assert rc == 2 and out == ""
+    assert err.startswith("kvio backends: NoBackend:") and "nosuch" in err
+
+
+def test_explain_unsupported_combination_fails_cleanly(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    rc, _, err = _kvio(capsys, "--explain", "--device", "cpu", "--kind", "mla", "--layout",
+                       "page_head")
+    assert rc == 2
+    assert "UnsupportedCombination" in err and "page_head" in err
