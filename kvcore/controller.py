@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import collections
 import enum
+import functools
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import attrs
@@ -28,9 +29,12 @@ import torch
 
 from kvcore.capabilities import HostMemory
 from kvcore.errors import (
+    BuildError,
     ControllerUnusable,
     DeviceFault,
     InvalidArgument,
+    InvalidIndices,
+    KVCoreError,
     TensorMismatch,
     TransferFailed,
 )
@@ -92,52 +96,85 @@ class _PendingWrite:
 
 
 class LoadHandle:
-    """A queued load. ``wait_layer(i)`` makes the current stream wait for layer ``i`` only."""
+    """A queued load. ``wait_layer(i)`` makes the current stream wait for layer ``i`` only.
 
-    def __init__(self, events: list[Any], completions: list[Any], device: torch.device,
+    A failed load is never reported as landed: once a layer's transfer is known to have
+    failed, every later ``wait_layer``/``wait``/``done`` raises the same TransferFailed.
+    """
+
+    def __init__(self, events: list[Any], completions: list[list[Any]], device: torch.device,
                  on_failure: Callable[[BaseException], None]) -> None:
         self._events = events
-        self._completions = completions
+        self._completions: list[list[Any] | None] = list(completions)
         self._device = device
         self._on_failure = on_failure
-        self._checked = False
+        self._failure: TransferFailed | None = None
 
     @property
     def num_layers(self) -> int:
         return len(self._events)
 
     def wait_layer(self, layer: int) -> None:
-        """Order the current stream after layer ``layer``'s load (returns at once on GPU)."""
-        if not 0 <= layer < len(self._events):
+        """Order the current stream after layer ``layer``'s load (returns at once on GPU).
+
+        On a device without streams the layer has already run, so its outcome is checked
+        here and a failure raises TransferFailed.
+        """
+        if not isinstance(layer, int) or not 0 <= layer < len(self._events):
             raise InvalidArgument("layer", f"an int in [0, {len(self._events)})", repr(layer))
+        self._raise_failure()
         event = self._events[layer]
-        if event is not None:
+        if event is None:
+            self._check([layer])
+        else:
             current_stream(self._device).wait_event(event)
 
     def done(self) -> bool:
         """True when every layer has landed (raises TransferFailed if one failed)."""
+        self._raise_failure()
         finished = all(e is None or e.query() for e in self._events)
         if finished:
-            self._check()
+            self._check(range(len(self._events)))
         return finished
 
     def wait(self) -> None:
         """Block the host until every layer has landed (raises TransferFailed on failure)."""
+        self._raise_failure()
         for e in self._events:
             if e is not None:
                 e.synchronize()
-        self._check()
+        self._check(range(len(self._events)))
 
-    def _check(self) -> None:
-        if self._checked:
-            return
-        self._checked = True
-        for c in self._completions:
+    def _raise_failure(self) -> None:
+        if self._failure is not None:
+            raise self._failure
+
+    def _check(self, layers: Iterable[int]) -> None:
+        for layer in layers:
+            completions, self._completions[layer] = self._completions[layer], None
             try:
-                c.check()
+                for c in completions or ():
+                    c.check()
             except Exception as exc:
                 self._on_failure(exc)
-                raise TransferFailed(f"load failed at completion: {exc}", exc) from exc
+                self._failure = TransferFailed(
+                    f"load failed at completion (layer {layer}): {exc}", exc)
+                raise self._failure from exc
+
+
+def _failing_together(init: Callable[..., None]) -> Callable[..., None]:
+    """With a process group, an error before the plan exchange is published to the peers."""
+
+    @functools.wraps(init)
+    def wrapped(self: HiCacheController, *args: Any, **kwargs: Any) -> None:
+        if kwargs.get("process_group") is None:
+            return init(self, *args, **kwargs)
+        from kvcore.distributed import failing_together
+
+        with failing_together(kwargs["process_group"]):
+            return init(self, *args, **kwargs)
+
+    return wrapped
 
 
 class HiCacheController:
@@ -155,6 +192,7 @@ class HiCacheController:
         registry: the registry to resolve in (default: the process-wide one).
     """
 
+    @_failing_together
     def __init__(self, device_pool: DevicePool, host_pool: HostPool,
                  write_policy: WritePolicy | str = WritePolicy.WRITE_THROUGH,
                  backend: str | None = None, *,
@@ -177,16 +215,18 @@ class HiCacheController:
                     m.device.element_bytes, m.device.device), backend)
                 _check_plan_against_pools(plan, m)
                 self.plans[(i, op)] = plan
+        for plan in self.plans.values():
+            _build_backend(plan)
         self.allocator = host_pool.allocator
         self.process_group = process_group
-        if process_group is not None:
-            from kvcore.distributed import agree_on_plans
-
-            agree_on_plans(self.plan_facts(), process_group, agreement_timeout_s)
         if verify:
             from kvcore.verify import verify_plans
 
             verify_plans(self)
+        if process_group is not None:
+            from kvcore.distributed import agree_on_plans
+
+            agree_on_plans(self.plan_facts(), process_group, agreement_timeout_s)
         self.write_stream = new_stream(self.device)
         self.load_stream = new_stream(self.device)
         self._pending: collections.deque[_PendingWrite] = collections.deque()
@@ -222,6 +262,11 @@ class HiCacheController:
         self._check_usable()
         d = check_index_tensor("device_indices", device_indices, "write")
         owns = host_indices is None
+        page_size = self.allocator.page_size
+        if owns and d.numel() % page_size:
+            raise InvalidIndices("device_indices", f"a length that is a multiple of page_size "
+                                 f"{page_size} (host slots are allocated in whole pages)",
+                                 f"{d.numel()} entries", "write")
         h = self.allocator.alloc(d.numel()) if owns else check_index_tensor(
             "host_indices", host_indices, "write")
         ack = WriteAck(next(self._ids), h, d)
@@ -260,22 +305,27 @@ class HiCacheController:
         self.allocator.free(host_indices)
 
     def _drain(self, block: bool) -> list[WriteAck]:
+        if self._unusable is not None:
+            self._abandon_pending()
         done: list[WriteAck] = []
         while self._pending:
             p = self._pending[0]
-            if p.event is not None:
-                if block:
-                    p.event.synchronize()
-                elif not p.event.query():
-                    break
-            self._pending.popleft()
             try:
+                if p.event is not None:
+                    if block:
+                        p.event.synchronize()
+                    elif not p.event.query():
+                        break
+                self._pending.popleft()
                 for c in p.completions:
                     c.check()
             except Exception as exc:
+                if self._pending and self._pending[0] is p:
+                    self._pending.popleft()
                 if p.owns_host:
                     self.allocator.free(p.ack.host_indices)
                 self._record_fault(exc)
+                self._requeue_done(done)
                 raise TransferFailed(
                     f"write-back {p.ack.id} failed at completion; its "
                     f"{p.ack.host_indices.numel()} host slots were released: {exc}", exc) from exc
@@ -283,6 +333,22 @@ class HiCacheController:
         done = self._agree_acks(done)
         self.completed_writes += len(done)
         return done
+
+    def _requeue_done(self, done: list[WriteAck]) -> None:
+        """Completed acks drained before a failure are reported by the next poll."""
+        for ack in reversed(done):
+            self._pending.appendleft(_PendingWrite(ack, None, [], False))
+
+    def _abandon_pending(self) -> None:
+        """After a device fault nothing queued can be trusted: release it all and refuse."""
+        dropped = 0
+        while self._pending:
+            p = self._pending.popleft()
+            if p.owns_host:
+                self.allocator.free(p.ack.host_indices)
+            dropped += 1
+        self._check_usable(f"; {dropped} queued write-backs were dropped and their host "
+                           "slots released" if dropped else "")
 
     def _agree_acks(self, done: list[WriteAck]) -> list[WriteAck]:
         if self.process_group is None:
@@ -309,16 +375,19 @@ class HiCacheController:
         d = check_index_tensor("device_indices", device_indices, "load")
         n_layers = self.members[0].host.geometry.num_layers
         events: list[Any] = []
-        completions: list[Any] = []
+        completions: list[list[Any]] = []
         try:
             if all_layers:
-                ev = self._enqueue(Op.LOAD_ALL, self.load_stream, h, d, None, completions)
+                shared: list[Any] = []
+                ev = self._enqueue(Op.LOAD_ALL, self.load_stream, h, d, None, shared)
                 events = [ev] * n_layers
+                completions = [shared] * n_layers
             else:
                 self._check_all(Op.LOAD_LAYER, h, d)
                 for layer in range(n_layers):
+                    completions.append([])
                     events.append(self._enqueue(Op.LOAD_LAYER, self.load_stream, h, d, layer,
-                                                completions, checked=True))
+                                                completions[-1], checked=True))
         except BaseException as exc:
             raise self._failure("load", exc) from exc
         return LoadHandle(events, completions, self.device, self._record_fault)
@@ -368,10 +437,10 @@ class HiCacheController:
         if isinstance(exc, DeviceFault) or type(exc).__name__ == "AcceleratorError":
             self._unusable = exc
 
-    def _check_usable(self) -> None:
+    def _check_usable(self, detail: str = "") -> None:
         if self._unusable is not None:
             raise ControllerUnusable(
-                f"the controller is unusable after a device fault: {self._unusable}; "
+                f"the controller is unusable after a device fault: {self._unusable}{detail}; "
                 "recreate it (and the device context) to continue")
 
 
@@ -394,6 +463,18 @@ def _check_pair(i: int, m: PoolPair, first: PoolPair) -> None:
             raise TensorMismatch(f"members[{i}].device", str(first.device.device), str(d.device))
 
 
+def _build_backend(plan: TransferPlan) -> None:
+    """Build the plan's backend now, so a kernel that cannot be built fails start-up."""
+    try:
+        plan.instance()
+    except KVCoreError:
+        raise
+    except Exception as exc:
+        raise BuildError(f"backend {plan.backend_name!r} could not be built for "
+                         f"{plan.request.device} ({plan.context}): "
+                         f"{type(exc).__name__}: {exc}") from exc
+
+
 def _check_plan_against_pools(plan: TransferPlan, m: PoolPair) -> None:
     if plan.host_memory is HostMemory.PINNED and m.host.memory is not HostMemory.PINNED:
         raise TensorMismatch("host_pool", f"pinned host memory for {plan.context}",
@@ -401,6 +482,12 @@ def _check_plan_against_pools(plan: TransferPlan, m: PoolPair) -> None:
                              "HostPool.allocate so the backend chooses the allocator")
     page_bytes = plan.page_bytes(m.host.geometry.page_size, m.host.geometry.num_layers)
     support = plan.select(page_bytes)
+    align = support.element_alignment
+    for name, t in [("host_pool.buffer", m.host.buffer)] + [
+            (f"device_pool layer {i}", t) for i, t in enumerate(m.device.all_buffers())]:
+        if t.data_ptr() % align:
+            raise TensorMismatch(name, f"a data pointer aligned to {align} B for {plan.context}",
+                                 f"address {t.data_ptr():#x}")
     if support.contiguous_pages:
         from kvcore.layout import page_contiguous
 

@@ -112,3 +112,15 @@ class PlanMismatch(KVCoreError, RuntimeError):
     def __init__(self, message: str, differences: Any = None) -> None:
         self.differences = differences
         super().__init__(message)
+
+
+class RanksFailed(PlanMismatch):
+    """Plan agreement could not complete: a peer rank failed before it or never arrived.
+
+    ``failed`` maps each failed rank to its error; ``missing`` lists ranks that did not answer.
+    """
+
+    def __init__(self, message: str, failed: dict[int, str], missing: list[int]) -> None:
+        self.failed = dict(failed)
+        self.missing = list(missing)
+        super().__init__(message, {"failed": self.failed, "missing": self.missing})

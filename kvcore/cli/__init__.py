@@ -11,6 +11,11 @@ from kvcore.errors import KVCoreError
 #: subcommand name -> module (relative to kvcore.cli) defining add_parser(sub) and run(args)
 SUBCOMMANDS = {
     "backends": "backends",
+    "check": "check",
+    "new-backend": "new_backend",
+    "replay": "replay",
+    "bench": "bench",
+    "build": "build",
 }
 
 
@@ -18,7 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvio", description="kvcore: move paged KV-cache data between GPU and host memory")
     sub = parser.add_subparsers(dest="command", required=True)
-    for name, module in SUBCOMMANDS.items():
+    for module in SUBCOMMANDS.values():
         mod = importlib.import_module(f"kvcore.cli.{module}")
         p = mod.add_parser(sub)
         p.set_defaults(_run=mod.run)

@@ -1,0 +1,120 @@
+"""``kvio replay``: a synthetic multi-turn workload through the controller, checksummed.
+
+Exits 0 when the run had no errors (checksum mismatches or failed transfers), 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvcore.cli.backends import default_device
+from kvcore.controller import WritePolicy
+from kvcore.errors import InvalidArgument
+from kvcore.layout import Kind, Layout
+from kvcore.replay import ReplayConfig, ReplayStats, WorkloadConfig, run_replay
+
+
+def add_parser(sub: Any) -> argparse.ArgumentParser:
+    p = sub.add_parser(
+        "replay", help="replay a prefix-reusing multi-turn workload and check every page",
+        description="Drive the controller with sessions that share system prompts and grow "
+                    "turn by turn, many in flight at once. Pages are keyed by a chained hash; "
+                    "both pools are small enough to evict; every page loaded back is checked "
+                    "on the device against the checksum recorded when it was written. Exits "
+                    "1 if any error occurred.")
+    p.add_argument("--device", default=None,
+                   help="torch device (default: the accelerator if there is one, else cpu)")
+    p.add_argument("--backend", default=None, help="force a backend, as KVCORE_BACKEND does")
+    p.add_argument("--write-policy", default=WritePolicy.WRITE_THROUGH.value,
+                   choices=[w.value for w in WritePolicy])
+    bounds = p.add_argument_group("bounds (the first reached stops the run)")
+    bounds.add_argument("--min-transfers", type=int, default=10_000,
+                        help="stop once this many pages were written plus loaded "
+                             "(default 10000; 0 for no bound)")
+    bounds.add_argument("--max-requests", type=int, default=None)
+    bounds.add_argument("--time-limit", type=float, default=None, metavar="SECONDS")
+    geo = p.add_argument_group("geometry")
+    geo.add_argument("--kind", default="mha", choices=[k.value for k in Kind])
+    geo.add_argument("--layout", default="page_first", choices=[lay.value for lay in Layout])
+    geo.add_argument("--layers", type=int, default=4)
+    geo.add_argument("--heads", type=int, default=4)
+    geo.add_argument("--head-dim", type=int, default=64)
+    geo.add_argument("--page-size", type=int, default=16)
+    geo.add_argument("--dtype", default="bfloat16")
+    geo.add_argument("--device-pages", type=int, default=None,
+                     help="device pool pages (default: 5/4 of what one wave can pin)")
+    geo.add_argument("--host-pages", type=int, default=None,
+                     help="host pool pages (default: 3x the device pool)")
+    wl = p.add_argument_group("workload")
+    wl.add_argument("--concurrency", type=int, default=32, help="requests per wave")
+    wl.add_argument("--sessions", type=int, default=256, help="live sessions")
+    wl.add_argument("--prompts", type=int, default=4, help="shared system prompts")
+    wl.add_argument("--prompt-pages", type=int, default=8)
+    wl.add_argument("--max-turns", type=int, default=8)
+    wl.add_argument("--seed", type=int, default=0)
+    out = p.add_argument_group("output")
+    out.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    out.add_argument("--log", type=Path, default=None, metavar="FILE",
+                     help="also write the JSON result to FILE")
+    out.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> ReplayConfig:
+    """The :class:`ReplayConfig` the command line describes."""
+    dtype = getattr(torch, args.dtype, None)
+    if not isinstance(dtype, torch.dtype):
+        raise InvalidArgument("--dtype", "a torch dtype name", repr(args.dtype))
+    workload = WorkloadConfig(system_prompts=args.prompts, prompt_pages=args.prompt_pages,
+                              live_sessions=args.sessions, concurrency=args.concurrency,
+                              max_turns=args.max_turns, seed=args.seed)
+    return ReplayConfig(
+        workload=workload, kind=Kind(args.kind), layout=Layout(args.layout),
+        num_layers=args.layers, head_num=1 if args.kind == "mla" else args.heads,
+        head_dim=args.head_dim, page_size=args.page_size, dtype=dtype,
+        device=str(torch.device(args.device) if args.device else default_device()),
+        device_pages=args.device_pages, host_pages=args.host_pages,
+        write_policy=WritePolicy(args.write_policy), backend=args.backend,
+        min_transfers=args.min_transfers or None, max_requests=args.max_requests,
+        time_limit_s=args.time_limit)
+
+
+@contextlib.contextmanager
+def _progress_bar(cfg: ReplayConfig, enabled: bool,
+                  ) -> Iterator[Callable[[ReplayStats], None] | None]:
+    try:
+        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+    except ImportError:  # rich is the optional "progress" extra
+        enabled = False
+    if not enabled:
+        yield None
+        return
+    total = cfg.min_transfers
+    with Progress(TextColumn("replay"), BarColumn(), TextColumn("{task.completed} transfers"),
+                  TextColumn("{task.fields[errors]} errors"), TimeElapsedColumn(),
+                  transient=True, console=None) as bar:
+        task = bar.add_task("replay", total=total, errors=0)
+
+        def update(s: ReplayStats) -> None:
+            bar.update(task, completed=s.transfers, errors=s.errors)
+
+        yield update
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = config_from_args(args)
+    with _progress_bar(cfg, not args.no_progress and sys.stderr.isatty()) as progress:
+        stats = run_replay(cfg, progress=progress)
+    facts = stats.as_dict()
+    if args.log is not None:
+        args.log.write_text(json.dumps(facts, indent=2) + "\n")
+    print(json.dumps(facts, indent=2) if args.json else stats.table())
+    return 1 if stats.errors else 0

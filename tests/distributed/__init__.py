@@ -1,0 +1,1 @@
+"""Tests across ranks: plan agreement, acknowledgements and the multi-GPU bench script."""
