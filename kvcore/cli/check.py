@@ -1,0 +1,66 @@
+"""``kvio check [NAME]``: run the conformance suite and print a capability-by-result matrix."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import torch
+
+from kvcore.cli.backends import default_device
+from kvcore.registry import Registry, default_registry
+
+
+def add_parser(sub: Any) -> argparse.ArgumentParser:
+    p = sub.add_parser("check", help="run the conformance suite against installed backends",
+                       description="Run kvcore.testing's conformance suite (differential "
+                                   "against the reference) for backend NAME, or for every "
+                                   "available backend, and print one row per op, kind, "
+                                   "layout and variant with its passed/failed/not claimed/"
+                                   "skipped/xfail counts. Exit status 1 if any case failed.")
+    p.add_argument("name", nargs="?", default=None, help="backend to check (default: all)")
+    p.add_argument("--device", default=None,
+                   help="torch device (default: the accelerator if there is one, else cpu)")
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", default=None,
+                      help="small cases (the default on cpu)")
+    size.add_argument("--full", action="store_true", help="full-size cases (default off cpu)")
+    p.add_argument("-k", dest="keyword", default=None, help="only cases matching (pytest -k)")
+    p.add_argument("-v", "--verbose", action="store_true", help="show each case")
+    return p
+
+
+def _runnable(registry: Registry, name: str, device: torch.device) -> str | None:
+    """Why ``name`` cannot run on ``device``, or None."""
+    caps = registry.get(name).spec.capabilities
+    if not caps.supports_device(device):
+        return f"runs on {', '.join(sorted(caps.device_types or ()))} devices, not {device.type}"
+    avail = registry.availability(name)
+    return None if avail else avail.reason  # type: ignore[union-attr]
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvcore.testing.runner import matrix, run_suite
+
+    registry = default_registry()
+    device = torch.device(args.device) if args.device else default_device()
+    names = [args.name] if args.name else [r.name for r in registry.backends()]
+    quick = True if args.quick else (False if args.full else None)
+    extra = ["-v" if args.verbose else "-q", "--tb=short", "--no-header"]
+    if args.keyword:
+        extra += ["-k", args.keyword]
+    failed = False
+    for name in names:
+        why = _runnable(registry, name, device)
+        if why is not None:
+            print(f"== {name} on {device}: not run, unavailable: {why}")
+            continue
+        print(f"== {name} on {device}")
+        result = run_suite(name, str(device), quick, extra)
+        print(f"\n{name} on {device}: capability-by-result matrix")
+        print(matrix(result))
+        if result.failures:
+            print(f"{name}: {len(result.failures)} failed; see the reproductions above")
+        if not result.ok:
+            failed = True
+    return 1 if failed else 0

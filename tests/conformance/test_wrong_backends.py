@@ -1,0 +1,79 @@
+"""The suite fails deliberately wrong backends, with messages that point at the cause."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from kvcore.registry import default_registry
+from kvcore.testing.runner import run_suite
+
+from .bad_backends import register_bad
+
+#: enough cases to show the failures (every row, two page counts) and that refusals still hold
+#: what each bad backend's failures must say; an extra token that lands in another written
+#: page shows as a difference from the reference, one that lands in a free page as a write
+#: outside the destination
+CAUSES = {
+    "flipped_byte": ("differs from the reference",),
+    "wrong_residency": ("residency",),
+    "no_bound_check": ("wrote outside its destination", "differs from the reference"),
+}
+
+CASES = "TestPageCounts and (p1 or p4) or TestBadInputs and out_of_range"
+
+
+@pytest.fixture(scope="module")
+def bad_backends() -> Iterator[None]:
+    registry = default_registry()
+    with registry.isolated():
+        register_bad(registry)
+        yield
+
+
+@pytest.mark.parametrize("name", sorted(CAUSES))
+def test_suite_fails_with_the_cause(bad_backends: None, name: str) -> None:
+    result = run_suite(name, "cpu", quick=True, extra=["-q", "--tb=short", "-k", CASES])
+    assert not result.ok
+    transfers = [f for f in result.failures if "TestPageCounts" in f.nodeid]
+    assert transfers, f"no transfer case failed for {name}"
+    causes = [c for c in CAUSES[name] if c in transfers[0].message]
+    for failure in transfers:
+        assert any(c in failure.message for c in CAUSES[name]), failure.message
+        assert f"reproduction: backend={name} device=cpu" in failure.message
+        assert "seed=" in failure.message and "host_indices pages:" in failure.message
+    assert any(CAUSES[name][0] in f.message for f in transfers), causes
+    refusals = [f for f in result.failures if "TestBadInputs" in f.nodeid]
+    assert not refusals, "bad inputs are refused before any backend runs"
+    assert all(c["failed"] == 0 for row, c in result.counts.items() if "bad_input" in row)
+
+
+def test_reference_passes_the_same_selection() -> None:
+    result = run_suite("reference", "cpu", quick=True, extra=["-q", "-k", CASES])
+    assert result.ok, [f.message for f in result.failures]
+    assert result.totals()["passed"] > 50
+
+
+def test_known_failures_can_be_marked_expected(bad_backends: None) -> None:
+    """kvio_xfail patterns turn a backend's known failures into xfail rows in the matrix."""
+    result = run_suite("flipped_byte", "cpu", quick=True, extra=[
+        "-q", "-k", "TestPageCounts and write_back",
+        "-o", "kvio_xfail=write_back-*: flips a bit, fixed in 0.2"])
+    assert result.ok, [f.message for f in result.failures]
+    totals = result.totals()
+    assert totals["xfail"] > 0 and totals["failed"] == 0 and totals["passed"] == 0
+
+
+def test_matrix_reports_unclaimed_rows(bad_backends: None) -> None:
+    """A backend that claims only write-back shows every load row as not claimed."""
+    from kvcore.testing.runner import matrix
+
+    result = run_suite("write_only", "cpu", quick=True, extra=["-q", "-k", "TestPageCounts"])
+    assert result.ok, [f.message for f in result.failures]
+    for row, counts in result.counts.items():
+        if row.startswith("write_back"):
+            assert counts["passed"] > 0 and counts["not claimed"] == 0, row
+        else:
+            assert counts["not claimed"] > 0 and counts["passed"] == 0, row
+    assert "not claimed" in matrix(result)
