@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# On any machine with a CUDA GPU: install the project into this machine's python (its own
+# CUDA torch is kept), build the kernels, run the GPU tests and the benchmarks, and write
+# every result into one folder ($OUT, default ./gpu-results), packed as results.tar.gz.
+#
+#   scripts/gpu_run.sh [STAGE ...]     stages: setup tests replay multi bench seed conformance check
+#                                      (default: all, in that order)
+#
+# DEADLINE_S bounds the whole run (each step's limit shrinks to fit), so the results are
+# always packed; SEED_ARGS / SEED_LAYOUTS / CONFORMANCE_S narrow the long steps.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/gpu-results}
+R="$OUT/results"
+mkdir -p "$R"
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+PY=${PYTHON:-python3}
+KVIO=("$PY" -m kvcore.cli)
+STAGES=("$@"); [ ${#STAGES[@]} -gt 0 ] || STAGES=(setup tests replay multi bench seed conformance check)
+status=0
+step() {  # step NAME SECONDS CMD...: run with a time limit, log to $R/NAME.log
+    local name=$1 limit=$2; shift 2
+    local t0=$SECONDS left=$(( ${DEADLINE_S:-100000} - SECONDS ))
+    [ "$limit" -le "$left" ] || limit=$left
+    if [ "$limit" -le 5 ]; then echo "=== $name: skipped, out of time" | tee -a "$R/summary.log"; status=1; return; fi
+    echo "=== $name: $*" | tee -a "$R/summary.log"
+    timeout -k 5 "$limit" "$@" > "$R/$name.log" 2>&1
+    local rc=$?
+    echo "=== $name: rc=$rc in $((SECONDS - t0)) s" | tee -a "$R/summary.log"
+    tail -n 8 "$R/$name.log"
+    [ $rc = 0 ] || status=1
+}
+
+for stage in "${STAGES[@]}"; do case $stage in
+setup)
+    KVCORE_PYTHON_ENV=system scripts/install.sh
+    $PY -m pip install -q --no-deps --no-build-isolation -e examples/kvio_triton || true
+    { nvidia-smi; nvcc --version; $PY -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"; } > "$R/machine.txt" 2>&1
+    step backends 60 "${KVIO[@]}" backends
+    step build 120 "${KVIO[@]}" build
+    ;;
+tests)
+    step gpu_tests 60 $PY -m pytest -q -rs tests/gpu
+    ;;
+conformance)
+    step conformance_cuda ${CONFORMANCE_S:-300} $PY -m pytest -q -rs -p kvcore.testing.plugin --kvio-backend cuda --kvio-full
+    ;;
+bench)
+    step bench_single_page 60 "${KVIO[@]}" bench --preset single-page --backend cuda --backend reference --markdown "$R/bench_single_page.md" --json "$R/bench_single_page.json"
+    ;;
+seed)
+    step bench_seed ${SEED_S:-600} "${KVIO[@]}" bench --preset seed --layout ${SEED_LAYOUTS:-page_first,layer_first} ${SEED_ARGS:-} --backend cuda --backend reference --warmup 1 --repeat 5 --markdown "$R/bench_seed.md" --json "$R/bench_seed.json" --plot "$R/bench_seed.png"
+    ;;
+replay)
+    step replay_cuda 120 "${KVIO[@]}" replay --device cuda --min-transfers 1000000 --concurrency 128 --sessions 1024 --log "$R/replay_cuda.jsonl"
+    ;;
+multi)
+    step multi_gpu_n1 90 $PY scripts/multi_gpu_bench.py --nprocs 1 --json "$R/multi_gpu_bench_h200_n1.json" --markdown "$R/multi_gpu_bench_h200_n1.md"
+    ;;
+check)
+    step check_cuda 300 "${KVIO[@]}" check cuda
+    step check_triton 300 "${KVIO[@]}" check triton
+    ;;
+*) echo "unknown stage $stage"; exit 2;;
+esac; done
+
+tar -C "$OUT" -czf "$OUT/results.tar.gz" results
+cp "$R/summary.log" "$OUT/summary.log"
+exit $status
