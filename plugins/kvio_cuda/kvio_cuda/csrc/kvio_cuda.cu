@@ -1,0 +1,1032 @@
+// kvio_cuda: NVIDIA kernels behind the kvcore native transfer ABI (docs/native-abi.md).
+//
+// Two entry points move KV-cache bytes between the device pool (one tensor per layer and
+// per K/V) and a host buffer described by the strides of a kvio_layout:
+//
+//   kvio_transfer_direct    one generic strided copy kernel, either direction, any layout,
+//                           any layer range; the host side is touched directly by the SMs.
+//   kvio_write_back_staged  device gather into a staging buffer laid out as the host page
+//                           image, then one (batched) DMA copy per run of host pages.
+//
+// The geometry comes from Python (kvcore.layout); the kernels never derive it. Everything
+// here returns a cudaError_t as int (0 = success) and checks every runtime call.
+
+#include <cuda_runtime.h>
+#include <dlfcn.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+#include <vector>
+
+#define KVIO_API extern "C" __attribute__((visibility("default")))
+
+extern "C" {
+typedef struct kvio_layout {
+    int64_t kv_stride;     /* bytes */
+    int64_t layer_stride;  /* bytes */
+    int64_t page_stride;   /* bytes */
+    int64_t token_stride;  /* bytes, between tokens of one page */
+    int64_t chunk_stride;  /* bytes, between chunks of one element (page_head: heads) */
+    int64_t page_size;     /* tokens per page */
+    int64_t chunk_bytes;   /* contiguous bytes of one chunk */
+    int64_t num_chunks;    /* chunks per element */
+} kvio_layout;
+}
+
+static_assert(sizeof(kvio_layout) == 64, "kvio_layout must be 8 int64 fields");
+
+#define KVIO_CHECK(expr)                          \
+    do {                                          \
+        const cudaError_t kvio_err_ = (expr);     \
+        if (kvio_err_ != cudaSuccess) {           \
+            return kvio_err_;                     \
+        }                                         \
+    } while (0)
+
+namespace {
+
+constexpr int kAbiVersion = 1;
+constexpr int kThreads = 256;      // threads per block
+constexpr int kUnroll = 4;         // vectors in flight per thread (loads issued before stores)
+constexpr int kBlocksPerSm = 4;    // 1024 resident threads per SM, <= 64 registers each
+constexpr int kMaxDevices = 256;
+constexpr int64_t kTile = int64_t(kThreads) * kUnroll;  // vectors per block per iteration
+// The staged write-back splits a transfer that fits into the staging buffer into chunks
+// (so the gather of chunk i+1 overlaps the DMA of chunk i) only above this size.
+constexpr int64_t kPipelineMinBytes = int64_t(16) << 20;
+constexpr int64_t kPipelineChunks = 4;
+
+enum Direction : int { kDeviceToHost = 0, kHostToDevice = 1 };
+
+// ---------------------------------------------------------------------------------------
+// Kernel parameters
+// ---------------------------------------------------------------------------------------
+
+// One copy "unit" is one chunk (chunk_bytes contiguous on both sides) of one
+// (kv, token, layer, chunk) tuple. The work is the flat array
+//     [kv][d0][d1][d2][vec]
+// where (d0, d1, d2) is a permutation of (token, layer, chunk) chosen at launch so that the
+// dimension with the smallest host stride is innermost: consecutive threads then touch
+// consecutive host addresses (the PCIe side is the one that matters).
+struct CopyParams {
+    const uint64_t* ptrs[2];  // per-layer device base pointers of K and V (V unused for MLA)
+    char* host;               // host_base (or a staging buffer, seen as a host image)
+    int64_t kv_stride;
+    int64_t layer_stride;
+    int64_t page_stride;
+    int64_t token_stride;
+    int64_t chunk_stride;
+    int64_t page_size;
+    int64_t chunk_bytes;
+    int64_t elem_bytes;       // device bytes per token and layer = num_chunks * chunk_bytes
+    const void* host_idx;     // nullptr: identity (host token = t), used for staging
+    const void* dev_idx;
+    uint64_t total;           // number of vectors
+    uint64_t nvec;            // vectors per chunk
+    uint64_t size[3];         // sizes of d0, d1, d2
+    int32_t host_idx_64;
+    int32_t dev_idx_64;
+    int32_t layer_begin;
+    int32_t page_shift;       // log2(page_size) when a power of two, else -1
+    int32_t pos_token;        // which of d0/d1/d2 is the token, layer, chunk dimension
+    int32_t pos_layer;
+    int32_t pos_chunk;
+};
+
+// ---------------------------------------------------------------------------------------
+// Memory access primitives. Host-side accesses are streaming (no L1 allocation on loads,
+// evict-first on stores); device-side loads skip L1 too (each byte is read once); device
+// stores are plain so freshly loaded KV stays in L2 for the attention that follows.
+// ---------------------------------------------------------------------------------------
+
+template <int VEC>
+struct Vec;
+
+template <>
+struct Vec<16> {
+    uint32_t x, y, z, w;
+    __device__ __forceinline__ void load(const char* p) {
+        asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                     : "=r"(x), "=r"(y), "=r"(z), "=r"(w)
+                     : "l"(p));
+    }
+    __device__ __forceinline__ void store_streaming(char* p) const {
+        asm volatile("st.global.cs.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(x), "r"(y),
+                     "r"(z), "r"(w)
+                     : "memory");
+    }
+    __device__ __forceinline__ void store(char* p) const {
+        asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(x), "r"(y),
+                     "r"(z), "r"(w)
+                     : "memory");
+    }
+};
+
+template <>
+struct Vec<8> {
+    uint32_t x, y;
+    __device__ __forceinline__ void load(const char* p) {
+        asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];"
+                     : "=r"(x), "=r"(y)
+                     : "l"(p));
+    }
+    __device__ __forceinline__ void store_streaming(char* p) const {
+        asm volatile("st.global.cs.v2.u32 [%0], {%1, %2};" ::"l"(p), "r"(x), "r"(y) : "memory");
+    }
+    __device__ __forceinline__ void store(char* p) const {
+        asm volatile("st.global.v2.u32 [%0], {%1, %2};" ::"l"(p), "r"(x), "r"(y) : "memory");
+    }
+};
+
+template <>
+struct Vec<4> {
+    uint32_t x;
+    __device__ __forceinline__ void load(const char* p) {
+        asm volatile("ld.global.nc.L1::no_allocate.u32 %0, [%1];" : "=r"(x) : "l"(p));
+    }
+    __device__ __forceinline__ void store_streaming(char* p) const {
+        asm volatile("st.global.cs.u32 [%0], %1;" ::"l"(p), "r"(x) : "memory");
+    }
+    __device__ __forceinline__ void store(char* p) const {
+        asm volatile("st.global.u32 [%0], %1;" ::"l"(p), "r"(x) : "memory");
+    }
+};
+
+template <>
+struct Vec<2> {
+    uint16_t x;
+    __device__ __forceinline__ void load(const char* p) {
+        asm volatile("ld.global.nc.L1::no_allocate.u16 %0, [%1];" : "=h"(x) : "l"(p));
+    }
+    __device__ __forceinline__ void store_streaming(char* p) const {
+        asm volatile("st.global.cs.u16 [%0], %1;" ::"l"(p), "h"(x) : "memory");
+    }
+    __device__ __forceinline__ void store(char* p) const {
+        asm volatile("st.global.u16 [%0], %1;" ::"l"(p), "h"(x) : "memory");
+    }
+};
+
+template <>
+struct Vec<1> {
+    uint16_t x;  // PTX has no 8-bit registers; .u8 loads zero-extend, stores truncate
+    __device__ __forceinline__ void load(const char* p) {
+        asm volatile("ld.global.nc.L1::no_allocate.u8 %0, [%1];" : "=h"(x) : "l"(p));
+    }
+    __device__ __forceinline__ void store_streaming(char* p) const {
+        asm volatile("st.global.cs.u8 [%0], %1;" ::"l"(p), "h"(x) : "memory");
+    }
+    __device__ __forceinline__ void store(char* p) const {
+        asm volatile("st.global.u8 [%0], %1;" ::"l"(p), "h"(x) : "memory");
+    }
+};
+
+// Stores into the destination with the hint of its side: streaming for the host.
+template <int DIR, int VEC>
+__device__ __forceinline__ void store_dst(char* p, const Vec<VEC>& v) {
+    if (DIR == kDeviceToHost) {
+        v.store_streaming(p);
+    } else {
+        v.store(p);
+    }
+}
+
+__device__ __forceinline__ int64_t load_index(const void* idx, int32_t is64, uint64_t t) {
+    if (is64) {
+        return static_cast<int64_t>(__ldg(static_cast<const long long*>(idx) + t));
+    }
+    return static_cast<int64_t>(__ldg(static_cast<const int*>(idx) + t));
+}
+
+template <typename IdxT>
+__device__ __forceinline__ IdxT pick(int32_t pos, IdxT i0, IdxT i1, IdxT i2) {
+    return pos == 0 ? i0 : (pos == 1 ? i1 : i2);
+}
+
+// Host and device addresses of flat vector g (g < p.total).
+template <int VEC, typename IdxT>
+__device__ __forceinline__ void locate(const CopyParams& p, IdxT g, char*& host, char*& dev) {
+    const IdxT nvec = static_cast<IdxT>(p.nvec);
+    const IdxT s0 = static_cast<IdxT>(p.size[0]);
+    const IdxT s1 = static_cast<IdxT>(p.size[1]);
+    const IdxT s2 = static_cast<IdxT>(p.size[2]);
+    IdxT u = g / nvec;
+    const IdxT v = g - u * nvec;
+    const IdxT i2 = u % s2;
+    u /= s2;
+    const IdxT i1 = u % s1;
+    u /= s1;
+    const IdxT i0 = u % s0;
+    const IdxT kv = u / s0;
+    const IdxT t = pick(p.pos_token, i0, i1, i2);
+    const IdxT l = pick(p.pos_layer, i0, i1, i2);
+    const IdxT c = pick(p.pos_chunk, i0, i1, i2);
+
+    const int64_t h = p.host_idx ? load_index(p.host_idx, p.host_idx_64, t)
+                                 : static_cast<int64_t>(t);
+    const int64_t d = load_index(p.dev_idx, p.dev_idx_64, t);
+    int64_t page, in_page;
+    if (p.page_shift >= 0) {
+        page = h >> p.page_shift;
+        in_page = h & (p.page_size - 1);
+    } else {
+        page = h / p.page_size;
+        in_page = h - page * p.page_size;
+    }
+    const int64_t layer = static_cast<int64_t>(p.layer_begin) + static_cast<int64_t>(l);
+    const int64_t vec_off = static_cast<int64_t>(v) * VEC;
+    const int64_t chunk = static_cast<int64_t>(c);
+
+    host = p.host + static_cast<int64_t>(kv) * p.kv_stride + layer * p.layer_stride +
+           page * p.page_stride + in_page * p.token_stride + chunk * p.chunk_stride + vec_off;
+    const uint64_t* table = kv ? p.ptrs[1] : p.ptrs[0];
+    char* base = reinterpret_cast<char*>(static_cast<uintptr_t>(__ldg(
+        reinterpret_cast<const unsigned long long*>(table) + layer)));
+    dev = base + d * p.elem_bytes + chunk * p.chunk_bytes + vec_off;
+}
+
+// The copy kernel body. Each block walks tiles of kTile consecutive flat vectors
+// (grid-stride); in a tile, thread x handles vectors x, x + kThreads, ... so that every
+// load/store instruction of a warp covers 32 consecutive vectors. All loads of a thread are
+// issued before its stores to keep kUnroll * VEC bytes per thread in flight.
+//
+// Host strides and host_base are folded into VEC at launch; the device layer pointers are
+// only known here, so a vector whose addresses are not VEC-aligned is copied byte by byte
+// (correct for any pointer, fast only when aligned).
+template <int DIR, int VEC, typename IdxT>
+__device__ __forceinline__ void copy_body(const CopyParams& p) {
+    // Programmatic dependent launch (Hopper and newer, see launch_copy): wait for the
+    // preceding kernel of the stream to complete and flush BEFORE touching any memory, so
+    // stream order holds exactly as for a plain launch; then let the next launch of the
+    // stream get scheduled while this grid drains. Both are no-ops for a plain launch.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+    const IdxT total = static_cast<IdxT>(p.total);
+    const IdxT tile = static_cast<IdxT>(kTile);
+    for (IdxT base = static_cast<IdxT>(blockIdx.x) * tile; base < total;
+         base += static_cast<IdxT>(gridDim.x) * tile) {
+        const char* src[kUnroll];
+        char* dst[kUnroll];
+        int state[kUnroll];  // 0: out of range, 1: aligned vector, 2: misaligned
+        Vec<VEC> val[kUnroll];
+#pragma unroll
+        for (int k = 0; k < kUnroll; ++k) {
+            const IdxT g = base + static_cast<IdxT>(k * kThreads) + static_cast<IdxT>(threadIdx.x);
+            state[k] = 0;
+            src[k] = nullptr;
+            dst[k] = nullptr;
+            if (g < total) {
+                char* host;
+                char* dev;
+                locate<VEC, IdxT>(p, g, host, dev);
+                src[k] = DIR == kDeviceToHost ? dev : host;
+                dst[k] = DIR == kDeviceToHost ? host : dev;
+                const uintptr_t bits =
+                    reinterpret_cast<uintptr_t>(host) | reinterpret_cast<uintptr_t>(dev);
+                state[k] = (bits & (VEC - 1)) == 0 ? 1 : 2;
+            }
+        }
+#pragma unroll
+        for (int k = 0; k < kUnroll; ++k) {
+            if (state[k] == 1) {
+                val[k].load(src[k]);
+            }
+        }
+#pragma unroll
+        for (int k = 0; k < kUnroll; ++k) {
+            if (state[k] == 1) {
+                store_dst<DIR, VEC>(dst[k], val[k]);
+            } else if (VEC > 1 && state[k] == 2) {
+#pragma unroll 1
+                for (int b = 0; b < VEC; ++b) {
+                    Vec<1> one;
+                    one.load(src[k] + b);
+                    store_dst<DIR, 1>(dst[k] + b, one);
+                }
+            }
+        }
+    }
+}
+
+}  // namespace
+
+// Named instantiations (extern "C" so the SASS, profilers and tests show readable names).
+// d2h: device -> host (write-back, and the staging gather); h2d: host -> device (load).
+// vN: vector bytes; i32/i64: width of the flat work index.
+#define KVIO_COPY_KERNEL(NAME, DIR, VEC, IDXT)                                        \
+    extern "C" __global__ void __launch_bounds__(kThreads, kBlocksPerSm)              \
+        NAME(const CopyParams p) {                                                    \
+        copy_body<DIR, VEC, IDXT>(p);                                                 \
+    }
+
+KVIO_COPY_KERNEL(kvio_copy_d2h_v16_i32, kDeviceToHost, 16, uint32_t)
+KVIO_COPY_KERNEL(kvio_copy_d2h_v16_i64, kDeviceToHost, 16, uint64_t)
+KVIO_COPY_KERNEL(kvio_copy_d2h_v8_i32, kDeviceToHost, 8, uint32_t)
+KVIO_COPY_KERNEL(kvio_copy_d2h_v8_i64, kDeviceToHost, 8, uint64_t)
+KVIO_COPY_KERNEL(kvio_copy_d2h_v4_i32, kDeviceToHost, 4, uint32_t)
+KVIO_COPY_KERNEL(kvio_copy_d2h_v4_i64, kDeviceToHost, 4, uint64_t)
+KVIO_COPY_KERNEL(kvio_copy_d2h_v2_i32, kDeviceToHost, 2, uint32_t)
+KVIO_COPY_KERNEL(kvio_copy_d2h_v2_i64, kDeviceToHost, 2, uint64_t)
+KVIO_COPY_KERNEL(kvio_copy_d2h_v1_i32, kDeviceToHost, 1, uint32_t)
+KVIO_COPY_KERNEL(kvio_copy_d2h_v1_i64, kDeviceToHost, 1, uint64_t)
+KVIO_COPY_KERNEL(kvio_copy_h2d_v16_i32, kHostToDevice, 16, uint32_t)
+KVIO_COPY_KERNEL(kvio_copy_h2d_v16_i64, kHostToDevice, 16, uint64_t)
+KVIO_COPY_KERNEL(kvio_copy_h2d_v8_i32, kHostToDevice, 8, uint32_t)
+KVIO_COPY_KERNEL(kvio_copy_h2d_v8_i64, kHostToDevice, 8, uint64_t)
+KVIO_COPY_KERNEL(kvio_copy_h2d_v4_i32, kHostToDevice, 4, uint32_t)
+KVIO_COPY_KERNEL(kvio_copy_h2d_v4_i64, kHostToDevice, 4, uint64_t)
+KVIO_COPY_KERNEL(kvio_copy_h2d_v2_i32, kHostToDevice, 2, uint32_t)
+KVIO_COPY_KERNEL(kvio_copy_h2d_v2_i64, kHostToDevice, 2, uint64_t)
+KVIO_COPY_KERNEL(kvio_copy_h2d_v1_i32, kHostToDevice, 1, uint32_t)
+KVIO_COPY_KERNEL(kvio_copy_h2d_v1_i64, kHostToDevice, 1, uint64_t)
+
+namespace {
+
+using CopyKernel = void (*)(const CopyParams);
+
+// [direction][log2(VEC)][flat index is 64-bit]
+const CopyKernel kCopyKernels[2][5][2] = {
+    {{kvio_copy_d2h_v1_i32, kvio_copy_d2h_v1_i64},
+     {kvio_copy_d2h_v2_i32, kvio_copy_d2h_v2_i64},
+     {kvio_copy_d2h_v4_i32, kvio_copy_d2h_v4_i64},
+     {kvio_copy_d2h_v8_i32, kvio_copy_d2h_v8_i64},
+     {kvio_copy_d2h_v16_i32, kvio_copy_d2h_v16_i64}},
+    {{kvio_copy_h2d_v1_i32, kvio_copy_h2d_v1_i64},
+     {kvio_copy_h2d_v2_i32, kvio_copy_h2d_v2_i64},
+     {kvio_copy_h2d_v4_i32, kvio_copy_h2d_v4_i64},
+     {kvio_copy_h2d_v8_i32, kvio_copy_h2d_v8_i64},
+     {kvio_copy_h2d_v16_i32, kvio_copy_h2d_v16_i64}},
+};
+
+// ---------------------------------------------------------------------------------------
+// Host helpers
+// ---------------------------------------------------------------------------------------
+
+bool is_legacy_stream(cudaStream_t s) { return s == nullptr || s == cudaStreamLegacy; }
+
+// Makes the device of `stream` current for the scope (kernels and streams must be launched
+// and created on their own device; a caller's background thread may have another current
+// device) and restores the caller's device afterwards.
+class DeviceGuard {
+  public:
+    DeviceGuard() = default;
+    DeviceGuard(const DeviceGuard&) = delete;
+    DeviceGuard& operator=(const DeviceGuard&) = delete;
+    ~DeviceGuard() {
+        if (changed_) {
+            (void)cudaSetDevice(previous_);
+        }
+    }
+
+    cudaError_t enter(cudaStream_t stream) {
+        KVIO_CHECK(cudaGetDevice(&previous_));
+        device_ = previous_;
+#if CUDART_VERSION >= 12080
+        if (!is_legacy_stream(stream) && stream != cudaStreamPerThread) {
+            int stream_device = -1;
+            if (cudaStreamGetDevice(stream, &stream_device) == cudaSuccess) {
+                device_ = stream_device;
+            } else {
+                // Older driver or a capture mode that refuses the query: the current device
+                // is the best answer; do not leave the (non-sticky) error behind.
+                (void)cudaGetLastError();
+            }
+        }
+#else
+        (void)stream;
+#endif
+        if (device_ != previous_) {
+            KVIO_CHECK(cudaSetDevice(device_));
+            changed_ = true;
+        }
+        return cudaSuccess;
+    }
+
+    int device() const { return device_; }
+
+  private:
+    int previous_ = 0;
+    int device_ = 0;
+    bool changed_ = false;
+};
+
+std::mutex g_mutex;
+
+struct DeviceInfo {
+    int sms = 0;           // 0: not queried yet
+    bool pdl = false;      // programmatic dependent launch (compute capability >= 9.0)
+};
+DeviceInfo g_device_info[kMaxDevices];
+cudaStream_t g_side_stream[kMaxDevices] = {};
+
+// KVIO_CUDA_PDL=0 turns programmatic dependent launch off (for A/B measurements).
+bool pdl_enabled_by_env() {
+    static const bool enabled = [] {
+        const char* v = std::getenv("KVIO_CUDA_PDL");
+        return v == nullptr || std::strcmp(v, "0") != 0;
+    }();
+    return enabled;
+}
+
+cudaError_t device_info(int device, DeviceInfo* out) {
+    if (device < 0 || device >= kMaxDevices) {
+        return cudaErrorInvalidDevice;
+    }
+    std::lock_guard<std::mutex> lock(g_mutex);
+    DeviceInfo& info = g_device_info[device];
+    if (info.sms == 0) {
+        int sms = 0, major = 0;
+        KVIO_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+        KVIO_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+        info.pdl = major >= 9;
+        info.sms = sms > 0 ? sms : 1;
+    }
+    *out = info;
+    return cudaSuccess;
+}
+
+// The internal copy stream of a device, created once (the device must be current) and kept
+// for the life of the process.
+cudaError_t side_stream(int device, cudaStream_t* out) {
+    if (device < 0 || device >= kMaxDevices) {
+        return cudaErrorInvalidDevice;
+    }
+    std::lock_guard<std::mutex> lock(g_mutex);
+    if (g_side_stream[device] == nullptr) {
+        cudaStream_t s = nullptr;
+        KVIO_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+        g_side_stream[device] = s;
+    }
+    *out = g_side_stream[device];
+    return cudaSuccess;
+}
+
+// -------- cudaMemcpyBatchAsync, resolved at run time from the cudart we are linked to ------
+
+#if CUDART_VERSION >= 13000
+// CUDA 13.0: the failIdx argument is gone.
+typedef cudaError_t (*BatchFn)(void* const*, const void* const*, const size_t*, size_t,
+                               cudaMemcpyAttributes*, size_t*, size_t, cudaStream_t);
+#define KVIO_HAVE_BATCH 1
+#elif CUDART_VERSION >= 12080
+// CUDA 12.8 / 12.9: ..., size_t numAttrs, size_t* failIdx, cudaStream_t stream.
+typedef cudaError_t (*BatchFn)(void* const*, const void* const*, const size_t*, size_t,
+                               cudaMemcpyAttributes*, size_t*, size_t, size_t*, cudaStream_t);
+#define KVIO_HAVE_BATCH 1
+#else
+#define KVIO_HAVE_BATCH 0
+#endif
+
+#if KVIO_HAVE_BATCH
+std::once_flag g_batch_once;
+BatchFn g_batch_fn = nullptr;
+bool g_batch_disabled = false;  // set when the driver refuses it; guarded by g_mutex
+
+// Only the libcudart this library was linked against is searched: its SONAME carries the
+// major version the BatchFn signature above was chosen for. dladdr on one of its functions
+// finds that exact library even when it was loaded RTLD_LOCAL (ctypes, torch wheels).
+void resolve_batch() {
+    int driver = 0;
+    if (cudaDriverGetVersion(&driver) != cudaSuccess || driver < 12080) {
+        (void)cudaGetLastError();
+        return;  // the driver has no cuMemcpyBatchAsync behind the runtime's entry point
+    }
+    void* sym = nullptr;
+    Dl_info info = {};
+    if (dladdr(reinterpret_cast<void*>(&cudaGetErrorString), &info) != 0 &&
+        info.dli_fname != nullptr) {
+        void* handle = dlopen(info.dli_fname, RTLD_NOW | RTLD_NOLOAD);
+        if (handle != nullptr) {
+            sym = dlsym(handle, "cudaMemcpyBatchAsync");
+            dlclose(handle);  // drops only the reference taken by RTLD_NOLOAD
+        }
+    }
+    if (sym == nullptr) {
+        const char* soname = CUDART_VERSION >= 13000 ? "libcudart.so.13" : "libcudart.so.12";
+        void* handle = dlopen(soname, RTLD_NOW | RTLD_NOLOAD);
+        if (handle != nullptr) {
+            sym = dlsym(handle, "cudaMemcpyBatchAsync");
+            dlclose(handle);
+        }
+    }
+    g_batch_fn = reinterpret_cast<BatchFn>(sym);
+}
+
+BatchFn batch_fn() {
+    std::call_once(g_batch_once, resolve_batch);
+    std::lock_guard<std::mutex> lock(g_mutex);
+    return g_batch_disabled ? nullptr : g_batch_fn;
+}
+
+void disable_batch() {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    g_batch_disabled = true;
+}
+#endif
+
+// Largest power of two <= 16 dividing x (x == 0 divides everything).
+int vector_width(uint64_t x) {
+    int vec = 16;
+    while (vec > 1 && (x & static_cast<uint64_t>(vec - 1)) != 0) {
+        vec >>= 1;
+    }
+    return vec;
+}
+
+int log2_exact(int64_t x) {  // log2(x) when x is a power of two, else -1
+    if (x <= 0 || (x & (x - 1)) != 0) {
+        return -1;
+    }
+    int s = 0;
+    while ((int64_t(1) << s) != x) {
+        ++s;
+    }
+    return s;
+}
+
+bool layout_ok(const kvio_layout& L) {
+    return L.page_size > 0 && L.chunk_bytes > 0 && L.num_chunks > 0 && L.kv_stride >= 0 &&
+           L.layer_stride >= 0 && L.page_stride >= 0 && L.token_stride >= 0 &&
+           L.chunk_stride >= 0;
+}
+
+// a * b into *out; false on overflow past 2^62 (far beyond any real transfer).
+bool mul_ok(uint64_t a, uint64_t b, uint64_t* out) {
+    const uint64_t limit = uint64_t(1) << 62;
+    if (a != 0 && b > limit / a) {
+        return false;
+    }
+    *out = a * b;
+    return true;
+}
+
+// Fills the work decomposition and launches the copy kernel on `stream` (whose device must
+// be current). layer_count, n_tokens > 0.
+cudaError_t launch_copy(int direction, CopyParams p, int num_kv, int64_t n_tokens,
+                        int32_t layer_count, int64_t num_chunks, int device,
+                        cudaStream_t stream) {
+    // Vector width from every host-known quantity that offsets an address.
+    uint64_t bits = static_cast<uint64_t>(p.chunk_bytes) |
+                    static_cast<uint64_t>(p.token_stride) |
+                    static_cast<uint64_t>(p.page_stride) |
+                    static_cast<uint64_t>(p.layer_stride) |
+                    static_cast<uint64_t>(reinterpret_cast<uintptr_t>(p.host));
+    if (num_kv > 1) bits |= static_cast<uint64_t>(p.kv_stride);
+    if (num_chunks > 1) bits |= static_cast<uint64_t>(p.chunk_stride);
+    const int vec = vector_width(bits);
+    p.nvec = static_cast<uint64_t>(p.chunk_bytes / vec);
+    p.page_shift = log2_exact(p.page_size);
+
+    // Order (token, layer, chunk) by host stride, largest outermost (stable; ties keep
+    // token > layer > chunk). Dimensions of size 1 go outermost: they do not matter.
+    struct Dim {
+        int64_t stride;
+        uint64_t size;
+        int id;  // 0 token, 1 layer, 2 chunk
+    };
+    Dim dims[3] = {{p.token_stride, static_cast<uint64_t>(n_tokens), 0},
+                   {p.layer_stride, static_cast<uint64_t>(layer_count), 1},
+                   {p.chunk_stride, static_cast<uint64_t>(num_chunks), 2}};
+    auto outer_first = [](const Dim& a, const Dim& b) {  // true when a must precede b
+        const bool a1 = a.size == 1, b1 = b.size == 1;
+        if (a1 != b1) return a1;
+        return a.stride > b.stride;
+    };
+    for (int i = 1; i < 3; ++i) {  // insertion sort, stable
+        for (int j = i; j > 0 && outer_first(dims[j], dims[j - 1]); --j) {
+            const Dim tmp = dims[j];
+            dims[j] = dims[j - 1];
+            dims[j - 1] = tmp;
+        }
+    }
+    for (int i = 0; i < 3; ++i) {
+        p.size[i] = dims[i].size;
+        if (dims[i].id == 0) p.pos_token = i;
+        if (dims[i].id == 1) p.pos_layer = i;
+        if (dims[i].id == 2) p.pos_chunk = i;
+    }
+
+    uint64_t total = static_cast<uint64_t>(num_kv);
+    if (!mul_ok(total, p.size[0], &total) || !mul_ok(total, p.size[1], &total) ||
+        !mul_ok(total, p.size[2], &total) || !mul_ok(total, p.nvec, &total)) {
+        return cudaErrorInvalidValue;
+    }
+    p.total = total;
+    if (total == 0) {
+        return cudaSuccess;
+    }
+    // 32-bit flat indices while base + tile + grid stride cannot wrap.
+    const bool wide = total > (uint64_t(1) << 31);
+
+    DeviceInfo info;
+    KVIO_CHECK(device_info(device, &info));
+    const uint64_t tiles = (total + kTile - 1) / kTile;
+    const uint64_t max_blocks = static_cast<uint64_t>(info.sms) * kBlocksPerSm;
+    const unsigned grid = static_cast<unsigned>(tiles < max_blocks ? tiles : max_blocks);
+
+    int vec_log2 = 0;
+    while ((1 << vec_log2) != vec) ++vec_log2;
+    const CopyKernel kernel = kCopyKernels[direction][vec_log2][wide ? 1 : 0];
+
+    // Programmatic dependent launch lets this grid be scheduled while the previous kernel of
+    // the stream drains (the kernel waits for it before any memory access, see copy_body):
+    // it hides the launch gap between the back-to-back per-layer loads. Only on Hopper and
+    // newer, on real (non-legacy) streams, and not under graph capture (older runtimes do
+    // not capture programmatic edges).
+    bool pdl = info.pdl && pdl_enabled_by_env() && !is_legacy_stream(stream);
+    if (pdl) {
+        cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+        KVIO_CHECK(cudaStreamIsCapturing(stream, &capture));
+        pdl = capture == cudaStreamCaptureStatusNone;
+    }
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(grid);
+    cfg.blockDim = dim3(kThreads);
+    cfg.dynamicSmemBytes = 0;
+    cfg.stream = stream;
+    cudaLaunchAttribute attr[1] = {};
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = pdl ? 1 : 0;
+    KVIO_CHECK(cudaLaunchKernelEx(&cfg, kernel, p));
+    return cudaGetLastError();
+}
+
+CopyParams base_params(const uint64_t* k_ptrs, const uint64_t* v_ptrs, void* host,
+                       const kvio_layout& L) {
+    CopyParams p = {};
+    p.ptrs[0] = k_ptrs;
+    p.ptrs[1] = v_ptrs;
+    p.host = static_cast<char*>(host);
+    p.kv_stride = L.kv_stride;
+    p.layer_stride = L.layer_stride;
+    p.page_stride = L.page_stride;
+    p.token_stride = L.token_stride;
+    p.chunk_stride = L.chunk_stride;
+    p.page_size = L.page_size;
+    p.chunk_bytes = L.chunk_bytes;
+    p.elem_bytes = L.chunk_bytes * L.num_chunks;
+    return p;
+}
+
+// True when, for every page, the bytes of all (token, layer, chunk) of one K/V form exactly
+// the run [0, page_bytes) of that page (page_first, page_first_direct, page_head).
+bool page_is_contiguous(const kvio_layout& L, int32_t num_layers, int64_t page_bytes) {
+    struct Dim {
+        int64_t stride;
+        int64_t size;
+    };
+    Dim dims[3] = {{L.token_stride, L.page_size},
+                   {L.layer_stride, num_layers},
+                   {L.chunk_stride, L.num_chunks}};
+    for (int i = 1; i < 3; ++i) {  // ascending stride
+        for (int j = i; j > 0 && dims[j].stride < dims[j - 1].stride; --j) {
+            const Dim tmp = dims[j];
+            dims[j] = dims[j - 1];
+            dims[j - 1] = tmp;
+        }
+    }
+    int64_t expected = L.chunk_bytes;
+    for (int i = 0; i < 3; ++i) {
+        if (dims[i].size == 1) continue;
+        if (dims[i].stride != expected) return false;
+        expected *= dims[i].size;
+    }
+    return expected == page_bytes;
+}
+
+// Issues the DMA copies of one staged chunk: pages [p0, p0 + cp) whose images sit in `buf`
+// as [kv][page] runs of page_bytes. Runs contiguous on both sides are merged.
+cudaError_t issue_copies(const char* buf, int64_t p0, int64_t cp, int num_kv,
+                         int64_t page_bytes, char* host_base, const kvio_layout& L,
+                         const int64_t* host_idx_cpu, bool batched, cudaStream_t stream) {
+    std::vector<void*> dsts;
+    std::vector<const void*> srcs;
+    std::vector<size_t> sizes;
+    dsts.reserve(static_cast<size_t>(cp * num_kv));
+    srcs.reserve(static_cast<size_t>(cp * num_kv));
+    sizes.reserve(static_cast<size_t>(cp * num_kv));
+    for (int kv = 0; kv < num_kv; ++kv) {
+        for (int64_t s = 0; s < cp; ++s) {
+            const int64_t h0 = host_idx_cpu[(p0 + s) * L.page_size];
+            char* dst = host_base + kv * L.kv_stride + (h0 / L.page_size) * L.page_stride;
+            const char* src = buf + (kv * cp + s) * page_bytes;
+            if (!sizes.empty() &&
+                static_cast<char*>(dsts.back()) + sizes.back() == dst &&
+                static_cast<const char*>(srcs.back()) + sizes.back() == src) {
+                sizes.back() += static_cast<size_t>(page_bytes);
+            } else {
+                dsts.push_back(dst);
+                srcs.push_back(src);
+                sizes.push_back(static_cast<size_t>(page_bytes));
+            }
+        }
+    }
+#if KVIO_HAVE_BATCH
+    // The batched API refuses the legacy NULL stream.
+    BatchFn fn = batched && !is_legacy_stream(stream) ? batch_fn() : nullptr;
+    if (fn != nullptr) {
+        cudaMemcpyAttributes attr = {};
+        attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+        attr.flags = 0;
+        size_t attr_idx = 0;
+#if CUDART_VERSION >= 13000
+        const cudaError_t err =
+            fn(dsts.data(), srcs.data(), sizes.data(), sizes.size(), &attr, &attr_idx, 1, stream);
+#else
+        size_t fail_idx = 0;
+        const cudaError_t err = fn(dsts.data(), srcs.data(), sizes.data(), sizes.size(), &attr,
+                                   &attr_idx, 1, &fail_idx, stream);
+#endif
+        if (err != cudaErrorNotSupported && err != cudaErrorCallRequiresNewerDriver) {
+            return err;
+        }
+        // The runtime has it but the driver does not: use plain copies from now on.
+        (void)cudaGetLastError();
+        disable_batch();
+    }
+#else
+    (void)batched;
+#endif
+    for (size_t i = 0; i < sizes.size(); ++i) {
+        KVIO_CHECK(
+            cudaMemcpyAsync(dsts[i], srcs[i], sizes[i], cudaMemcpyDeviceToHost, stream));
+    }
+    return cudaSuccess;
+}
+
+// Events of one pipelined staged write-back. The destructor releases them and, if the call
+// stops early after side-stream work was enqueued, still makes the caller's stream wait for
+// that work so the staging buffer is never reused under a running copy.
+class Pipeline {
+  public:
+    Pipeline(cudaStream_t caller, cudaStream_t side) : caller_(caller), side_(side) {}
+    Pipeline(const Pipeline&) = delete;
+    Pipeline& operator=(const Pipeline&) = delete;
+    ~Pipeline() {
+        if (side_pending_) {
+            cudaEvent_t e = nullptr;
+            if (cudaEventCreateWithFlags(&e, cudaEventDisableTiming) == cudaSuccess) {
+                if (cudaEventRecord(e, side_) == cudaSuccess) {
+                    (void)cudaStreamWaitEvent(caller_, e, 0);
+                }
+                (void)cudaEventDestroy(e);
+            }
+        }
+        for (cudaEvent_t e : {gathered_, copied_[0], copied_[1]}) {
+            if (e != nullptr) (void)cudaEventDestroy(e);  // deferred by the runtime if pending
+        }
+    }
+
+    cudaError_t init() {
+        KVIO_CHECK(cudaEventCreateWithFlags(&gathered_, cudaEventDisableTiming));
+        KVIO_CHECK(cudaEventCreateWithFlags(&copied_[0], cudaEventDisableTiming));
+        KVIO_CHECK(cudaEventCreateWithFlags(&copied_[1], cudaEventDisableTiming));
+        return cudaSuccess;
+    }
+
+    // Before gathering into half b: wait for the copies that last read it (two chunks ago).
+    cudaError_t before_gather(int b) {
+        if (copied_recorded_[b]) {
+            KVIO_CHECK(cudaStreamWaitEvent(caller_, copied_[b], 0));
+        }
+        return cudaSuccess;
+    }
+
+    // After the gather of half b on the caller's stream: the side stream waits for it.
+    cudaError_t after_gather() {
+        KVIO_CHECK(cudaEventRecord(gathered_, caller_));
+        side_pending_ = true;  // from here on the side stream may hold work of this call
+        KVIO_CHECK(cudaStreamWaitEvent(side_, gathered_, 0));
+        return cudaSuccess;
+    }
+
+    cudaError_t after_copies(int b) {
+        KVIO_CHECK(cudaEventRecord(copied_[b], side_));
+        copied_recorded_[b] = true;
+        last_ = b;
+        return cudaSuccess;
+    }
+
+    // The caller's stream waits for the last copies (the side stream runs in order).
+    cudaError_t join() {
+        if (last_ >= 0) {
+            KVIO_CHECK(cudaStreamWaitEvent(caller_, copied_[last_], 0));
+        }
+        side_pending_ = false;
+        return cudaSuccess;
+    }
+
+  private:
+    cudaStream_t caller_;
+    cudaStream_t side_;
+    cudaEvent_t gathered_ = nullptr;
+    cudaEvent_t copied_[2] = {nullptr, nullptr};
+    bool copied_recorded_[2] = {false, false};
+    bool side_pending_ = false;
+    int last_ = -1;
+};
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------
+// The C ABI
+// ---------------------------------------------------------------------------------------
+
+KVIO_API int kvio_abi_version(void) { return kAbiVersion; }
+
+KVIO_API const char* kvio_error_string(int code) {
+    return cudaGetErrorString(static_cast<cudaError_t>(code));
+}
+
+KVIO_API int kvio_has_batched_memcpy(void) {
+#if KVIO_HAVE_BATCH
+    return batch_fn() != nullptr ? 1 : 0;
+#else
+    return 0;
+#endif
+}
+
+namespace {
+
+cudaError_t transfer_direct(int direction, const uint64_t* k_ptrs, const uint64_t* v_ptrs,
+                            int32_t layer_begin, int32_t layer_count, void* host_base,
+                            const kvio_layout& layout, const void* host_idx, int host_idx_64,
+                            const void* dev_idx, int dev_idx_64, int64_t n_tokens,
+                            void* stream) {
+    if ((direction != kDeviceToHost && direction != kHostToDevice) || k_ptrs == nullptr ||
+        host_base == nullptr || layer_begin < 0 || layer_count < 0 || n_tokens < 0 ||
+        !layout_ok(layout)) {
+        return cudaErrorInvalidValue;
+    }
+    if (n_tokens == 0 || layer_count == 0) {
+        return cudaSuccess;
+    }
+    if (host_idx == nullptr || dev_idx == nullptr) {
+        return cudaErrorInvalidValue;
+    }
+    cudaStream_t s = static_cast<cudaStream_t>(stream);
+    DeviceGuard guard;
+    KVIO_CHECK(guard.enter(s));
+
+    CopyParams p = base_params(k_ptrs, v_ptrs, host_base, layout);
+    p.host_idx = host_idx;
+    p.host_idx_64 = host_idx_64 ? 1 : 0;
+    p.dev_idx = dev_idx;
+    p.dev_idx_64 = dev_idx_64 ? 1 : 0;
+    p.layer_begin = layer_begin;
+    const int num_kv = v_ptrs != nullptr ? 2 : 1;
+    return launch_copy(direction, p, num_kv, n_tokens, layer_count, layout.num_chunks,
+                       guard.device(), s);
+}
+
+cudaError_t write_back_staged(const uint64_t* k_ptrs, const uint64_t* v_ptrs,
+                              int32_t num_layers, void* host_base, const kvio_layout& layout,
+                              const int64_t* host_idx_cpu, const void* dev_idx, int dev_idx_64,
+                              int64_t n_tokens, void* staging, int64_t staging_bytes,
+                              int use_batched, void* stream) {
+    if (k_ptrs == nullptr || host_base == nullptr || num_layers <= 0 || n_tokens < 0 ||
+        !layout_ok(layout)) {
+        return cudaErrorInvalidValue;
+    }
+    if (n_tokens == 0) {
+        return cudaSuccess;
+    }
+    const int64_t P = layout.page_size;
+    const int num_kv = v_ptrs != nullptr ? 2 : 1;
+    const int64_t elem_bytes = layout.chunk_bytes * layout.num_chunks;
+    const int64_t page_bytes = int64_t(num_layers) * P * elem_bytes;
+    if (host_idx_cpu == nullptr || dev_idx == nullptr || staging == nullptr ||
+        staging_bytes <= 0 || n_tokens % P != 0 ||
+        !page_is_contiguous(layout, num_layers, page_bytes)) {
+        return cudaErrorInvalidValue;
+    }
+    const int64_t num_pages = n_tokens / P;
+    for (int64_t i = 0; i < num_pages; ++i) {  // whole pages (validated again in Python)
+        const int64_t h0 = host_idx_cpu[i * P];
+        if (h0 < 0 || h0 % P != 0) {
+            return cudaErrorInvalidValue;
+        }
+    }
+    const int64_t slot_bytes = num_kv * page_bytes;  // one page of K (and V) in staging
+    const int64_t capacity = staging_bytes / slot_bytes;
+    if (capacity < 1) {
+        return cudaErrorInvalidValue;  // the staging buffer cannot hold a single page
+    }
+
+    cudaStream_t s = static_cast<cudaStream_t>(stream);
+    DeviceGuard guard;
+    KVIO_CHECK(guard.enter(s));
+
+    // A captured stream stays on one stream (no side-stream fork, no batched API).
+    bool capturing = false;
+    if (!is_legacy_stream(s)) {
+        cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+        KVIO_CHECK(cudaStreamIsCapturing(s, &status));
+        capturing = status != cudaStreamCaptureStatusNone;
+    }
+    const bool batched = use_batched != 0 && !capturing;
+    const bool pipelined =
+        !capturing && capacity >= 2 && num_pages >= 2 &&
+        (num_pages > capacity || num_pages * slot_bytes >= kPipelineMinBytes);
+
+    int64_t chunk_pages;  // pages per chunk
+    int64_t half_bytes = 0;
+    if (pipelined) {
+        const int64_t half = capacity / 2;
+        const int64_t even = (num_pages + kPipelineChunks - 1) / kPipelineChunks;
+        chunk_pages = even < half ? even : half;
+        half_bytes = half * slot_bytes;
+    } else {
+        chunk_pages = num_pages < capacity ? num_pages : capacity;
+    }
+
+    const size_t idx_bytes = dev_idx_64 ? sizeof(int64_t) : sizeof(int32_t);
+    auto gather = [&](char* buf, int64_t p0, int64_t cp) -> cudaError_t {
+        // The staging chunk seen as a host buffer: [kv][page][page image], identity indices.
+        kvio_layout st = layout;
+        st.kv_stride = cp * page_bytes;
+        st.page_stride = page_bytes;
+        CopyParams p = base_params(k_ptrs, v_ptrs, buf, st);
+        p.host_idx = nullptr;
+        p.dev_idx = static_cast<const char*>(dev_idx) + static_cast<size_t>(p0 * P) * idx_bytes;
+        p.dev_idx_64 = dev_idx_64 ? 1 : 0;
+        p.layer_begin = 0;
+        return launch_copy(kDeviceToHost, p, num_kv, cp * P, num_layers, layout.num_chunks,
+                           guard.device(), s);
+    };
+    char* host = static_cast<char*>(host_base);
+    char* stage = static_cast<char*>(staging);
+
+    if (!pipelined) {
+        // Everything on the caller's stream: gather, copy, next chunk (stream order makes
+        // reusing the single buffer safe).
+        for (int64_t p0 = 0; p0 < num_pages; p0 += chunk_pages) {
+            const int64_t cp = num_pages - p0 < chunk_pages ? num_pages - p0 : chunk_pages;
+            KVIO_CHECK(gather(stage, p0, cp));
+            KVIO_CHECK(issue_copies(stage, p0, cp, num_kv, page_bytes, host, layout,
+                                    host_idx_cpu, batched, s));
+        }
+        return cudaSuccess;
+    }
+
+    // Two halves of staging. Chunk i uses half i % 2: gathered on the caller's stream (after
+    // everything the caller enqueued before, and after the copies of chunk i - 2 that read
+    // this half), copied on the device's side stream once its gather is done. The caller's
+    // stream finally waits for the last copy, so for the caller the whole call is stream
+    // ordered and the staging buffer is free again once its stream passes this point.
+    cudaStream_t side = nullptr;
+    KVIO_CHECK(side_stream(guard.device(), &side));
+    Pipeline pipe(s, side);
+    KVIO_CHECK(pipe.init());
+    int64_t chunk = 0;
+    for (int64_t p0 = 0; p0 < num_pages; p0 += chunk_pages, ++chunk) {
+        const int64_t cp = num_pages - p0 < chunk_pages ? num_pages - p0 : chunk_pages;
+        const int b = static_cast<int>(chunk & 1);
+        char* buf = stage + b * half_bytes;
+        KVIO_CHECK(pipe.before_gather(b));
+        KVIO_CHECK(gather(buf, p0, cp));
+        KVIO_CHECK(pipe.after_gather());
+        KVIO_CHECK(issue_copies(buf, p0, cp, num_kv, page_bytes, host, layout, host_idx_cpu,
+                                batched, side));
+        KVIO_CHECK(pipe.after_copies(b));
+    }
+    return pipe.join();
+}
+
+// A failed runtime call also leaves its (non-sticky) code in the runtime's last-error slot,
+// which the process may share with torch; the code is returned to the caller instead, so
+// the slot is cleared rather than blamed later on an unrelated launch.
+int finish(cudaError_t err) {
+    if (err != cudaSuccess) {
+        (void)cudaGetLastError();
+    }
+    return static_cast<int>(err);
+}
+
+}  // namespace
+
+KVIO_API int kvio_transfer_direct(int direction, const uint64_t* k_ptrs, const uint64_t* v_ptrs,
+                                  int32_t layer_begin, int32_t layer_count, void* host_base,
+                                  kvio_layout layout, const void* host_idx, int host_idx_64,
+                                  const void* dev_idx, int dev_idx_64, int64_t n_tokens,
+                                  void* stream) {
+    return finish(transfer_direct(direction, k_ptrs, v_ptrs, layer_begin, layer_count,
+                                  host_base, layout, host_idx, host_idx_64, dev_idx, dev_idx_64,
+                                  n_tokens, stream));
+}
+
+KVIO_API int kvio_write_back_staged(const uint64_t* k_ptrs, const uint64_t* v_ptrs,
+                                    int32_t num_layers, void* host_base, kvio_layout layout,
+                                    const int64_t* host_idx_cpu, const void* dev_idx,
+                                    int dev_idx_64, int64_t n_tokens, void* staging,
+                                    int64_t staging_bytes, int use_batched, void* stream) {
+    return finish(write_back_staged(k_ptrs, v_ptrs, num_layers, host_base, layout,
+                                    host_idx_cpu, dev_idx, dev_idx_64, n_tokens, staging,
+                                    staging_bytes, use_batched, stream));
+}

@@ -1,0 +1,535 @@
+"""CPU-only tests of the kvio_cuda plumbing: nvcc discovery and flags, the build cache, and
+the ctypes marshalling of the native ABI (against a fake library, and against the real one
+where nvcc is available: loading it and its argument checks need no GPU)."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import stat
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+from kvio_cuda import _native, build
+
+from kvcore import buildcache
+from kvcore.errors import BuildError, InvalidArgument, KernelError
+
+# ------------------------------------------------------------------------------- build.py
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("nvcc: NVIDIA (R) Cuda compiler driver\nCopyright (c) 2005-2025 NVIDIA Corporation\n"
+         "Built on Wed_Aug_20_01:58:59_PM_PDT_2025\n"
+         "Cuda compilation tools, release 13.0, V13.0.88\n"
+         "Build cuda_13.0.r13.0/compiler.36424714_0\n", (13, 0, 88)),
+        ("Cuda compilation tools, release 12.8, V12.8.93\n", (12, 8, 93)),
+        ("Cuda compilation tools, release 11.8, V11.8.89", (11, 8, 89)),
+        ("Cuda compilation tools, release 12.4\n", (12, 4, 0)),
+    ],
+)
+def test_parse_nvcc_version(text: str, expected: tuple[int, int, int]) -> None:
+    assert build.parse_nvcc_version(text) == expected
+
+
+def test_parse_nvcc_version_garbage() -> None:
+    with pytest.raises(BuildError, match="cannot read the CUDA version"):
+        build.parse_nvcc_version("command not found\n")
+
+
+@pytest.mark.parametrize(
+    ("cc", "sm"),
+    [((9, 0), "sm_90a"), ((10, 0), "sm_100a"), ((10, 3), "sm_103a"), ((12, 0), "sm_120a"),
+     ((8, 0), "sm_80"), ((8, 6), "sm_86"), ((8, 9), "sm_89"), ((7, 5), "sm_75")],
+)
+def test_arch_flags_real_architecture_only(cc: tuple[int, int], sm: str) -> None:
+    flags = build.arch_flags(*cc)
+    compute = sm.replace("sm_", "compute_")
+    assert flags == ["-gencode", f"arch={compute},code={sm}"]
+    # SASS only: no PTX (code=compute_XX) is embedded
+    assert "code=compute" not in " ".join(flags)
+
+
+def test_arch_flags_hopper_exact() -> None:
+    assert build.arch_flags(9, 0) == ["-gencode", "arch=compute_90a,code=sm_90a"]
+    assert build.arch_flags(10, 0) == ["-gencode", "arch=compute_100a,code=sm_100a"]
+
+
+def test_arch_flags_refuses_old_gpu_and_old_nvcc_for_new_gpu() -> None:
+    with pytest.raises(BuildError, match=r"7\.0 is not supported"):
+        build.arch_flags(7, 0)
+    with pytest.raises(BuildError, match=r"sm_100a needs nvcc 12\.8 or newer, found nvcc 12\.4"):
+        build.arch_flags(10, 0, (12, 4, 131))
+    assert build.arch_flags(9, 0, (12, 0, 76))[1] == "arch=compute_90a,code=sm_90a"
+
+
+def test_compile_command() -> None:
+    cmd = build.compile_command("/opt/cuda/bin/nvcc", "k.cu", "out.so", 9, 0, (13, 0, 88),
+                                rpath="/opt/cuda/lib64")
+    joined = " ".join(cmd)
+    assert cmd[0] == "/opt/cuda/bin/nvcc"
+    for piece in ("-O3", "-std=c++17", "--shared", "-Xcompiler -fPIC", "-cudart shared",
+                  "-gencode arch=compute_90a,code=sm_90a", "-Xptxas -v", "-o out.so k.cu",
+                  "-ldl", "-Xlinker -rpath,/opt/cuda/lib64"):
+        assert piece in joined, piece
+    quiet = build.compile_command("nvcc", "k.cu", "o.so", 8, 0, verbose_ptxas=False)
+    assert "-Xptxas" not in quiet
+    assert "-Xlinker" not in quiet
+
+
+def _fake_nvcc(directory: Path, release: str) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    exe = directory / "nvcc"
+    exe.write_text(textwrap.dedent(f"""\
+        #!/bin/sh
+        echo "nvcc: NVIDIA (R) Cuda compiler driver"
+        echo "Cuda compilation tools, release {release}, V{release}.99"
+        """))
+    exe.chmod(0o755)
+    return exe
+
+
+@pytest.fixture
+def no_toolkit(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    """No nvcc anywhere: empty PATH, no CUDA_HOME/CUDA_PATH, no default install."""
+    empty = tmp_path / "empty-bin"
+    empty.mkdir()
+    monkeypatch.setenv("PATH", str(empty))
+    monkeypatch.delenv("CUDA_HOME", raising=False)
+    monkeypatch.delenv("CUDA_PATH", raising=False)
+    monkeypatch.setattr(build, "DEFAULT_NVCC", tmp_path / "no-cuda" / "bin" / "nvcc")
+    return tmp_path
+
+
+def test_find_nvcc_missing(no_toolkit: Path) -> None:
+    with pytest.raises(BuildError) as info:
+        build.find_nvcc()
+    msg = str(info.value)
+    assert "nvcc not found" in msg
+    assert "12.0 or newer" in msg
+    assert "PATH" in msg and "$CUDA_HOME/bin (not set)" in msg
+    assert str(no_toolkit / "no-cuda" / "bin") in msg
+
+
+def test_find_nvcc_too_old(no_toolkit: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    exe = _fake_nvcc(no_toolkit / "cuda-11.8" / "bin", "11.8")
+    monkeypatch.setenv("CUDA_HOME", str(exe.parent.parent))
+    with pytest.raises(BuildError) as info:
+        build.find_nvcc()
+    msg = str(info.value)
+    assert "nvcc 11.8" in msg and str(exe) in msg and "12.0 or newer" in msg
+
+
+def test_find_nvcc_on_path(no_toolkit: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    exe = _fake_nvcc(no_toolkit / "bin", "12.8")
+    monkeypatch.setenv("PATH", str(exe.parent))
+    found = build.find_nvcc()
+    assert found.path == exe
+    assert found.version == (12, 8, 99)
+    assert found.release == "12.8"
+
+
+def test_build_library_missing_nvcc_is_build_error(no_toolkit: Path) -> None:
+    with pytest.raises(BuildError, match="nvcc not found"):
+        build.build_library(9, 0, cache_dir=no_toolkit / "cache")
+
+
+# ------------------------------------------------------------------------- buildcache.py
+
+
+class CountingBuild:
+    """A build callback writing fixed bytes and counting its calls."""
+
+    def __init__(self, payload: bytes = b"\x7fELF fake library") -> None:
+        self.payload = payload
+        self.calls: list[Path] = []
+
+    def __call__(self, out: Path) -> None:
+        self.calls.append(out)
+        assert out.parent.is_dir()
+        out.write_bytes(self.payload)
+
+
+KEY = {"sources": "abc", "arch": "sm_90a", "nvcc": "13.0.88"}
+
+
+def test_cache_builds_once_then_hits(tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    b = CountingBuild()
+    first = buildcache.build_cached("libx.so", KEY, b, cache)
+    second = buildcache.build_cached("libx.so", dict(KEY), b, cache)
+    assert first == second
+    assert len(b.calls) == 1
+    assert first.read_bytes() == b.payload
+    assert first.parent == cache and first.name.startswith("libx-") and first.suffix == ".so"
+    assert b.calls[0].parent == cache and b.calls[0].suffix == ".so"  # temp next to the entry
+    sidecar = first.with_name(first.name + ".sha256")
+    import hashlib
+
+    assert sidecar.read_text().strip() == hashlib.sha256(b.payload).hexdigest()
+    assert stat.S_IMODE(cache.stat().st_mode) & 0o077 == 0
+    # no temporary files left behind
+    assert sorted(p.name for p in cache.iterdir()) == sorted(
+        [first.name, sidecar.name, first.name + ".lock"])
+
+
+def test_cache_key_changes_entry(tmp_path: Path) -> None:
+    b = CountingBuild()
+    a = buildcache.build_cached("libx.so", KEY, b, tmp_path)
+    other = buildcache.build_cached("libx.so", {**KEY, "arch": "sm_100a"}, b, tmp_path)
+    assert a != other and len(b.calls) == 2
+    assert buildcache.entry_path("libx.so", KEY, tmp_path) == a
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "no_sidecar", "bad_sidecar", "delete"])
+def test_cache_rebuilds_corrupt_entry(tmp_path: Path, damage: str) -> None:
+    b = CountingBuild(b"0123456789" * 100)
+    entry = buildcache.build_cached("libx.so", KEY, b, tmp_path)
+    sidecar = entry.with_name(entry.name + ".sha256")
+    if damage == "truncate":
+        entry.write_bytes(b.payload[:10])
+    elif damage == "flip":
+        entry.write_bytes(b"X" + b.payload[1:])
+    elif damage == "no_sidecar":
+        sidecar.unlink()
+    elif damage == "bad_sidecar":
+        sidecar.write_text("0" * 64 + "\n")
+    else:
+        entry.unlink()
+    assert not buildcache.verify_entry(entry)
+    again = buildcache.build_cached("libx.so", KEY, b, tmp_path)
+    assert again == entry and len(b.calls) == 2
+    assert entry.read_bytes() == b.payload and buildcache.verify_entry(entry)
+
+
+def test_cache_creates_private_dir(tmp_path: Path) -> None:
+    cache = tmp_path / "a" / "b" / "kvcore"
+    old = os.umask(0)
+    try:
+        buildcache.build_cached("libx.so", KEY, CountingBuild(), cache)
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(cache.stat().st_mode) == 0o700
+
+
+@pytest.mark.parametrize("mode", [0o777, 0o775, 0o722, 0o1777])
+def test_cache_refuses_writable_dir(tmp_path: Path, mode: int) -> None:
+    cache = tmp_path / "shared"
+    cache.mkdir()
+    cache.chmod(mode)
+    b = CountingBuild()
+    with pytest.raises(BuildError) as info:
+        buildcache.build_cached("libx.so", KEY, b, cache)
+    msg = str(info.value)
+    assert str(cache) in msg and oct(mode) in msg and "KVCORE_CACHE_DIR" in msg
+    assert b.calls == []
+
+
+def test_cache_refuses_dir_of_another_user(tmp_path: Path) -> None:
+    cache = tmp_path / "theirs"
+    cache.mkdir(mode=0o700)
+    if os.getuid() != 0:
+        pytest.skip("changing a directory's owner needs root")
+    os.chown(cache, 4242, -1)
+    with pytest.raises(BuildError, match=r"owned by uid 4242"):
+        buildcache.build_cached("libx.so", KEY, CountingBuild(), cache)
+
+
+def test_cache_refuses_file_as_dir(tmp_path: Path) -> None:
+    f = tmp_path / "file"
+    f.write_text("x")
+    with pytest.raises(BuildError, match=r"cannot create|not a directory"):
+        buildcache.build_cached("libx.so", KEY, CountingBuild(), f)
+
+
+def test_cache_default_dir_from_environment(monkeypatch: pytest.MonkeyPatch,
+                                            tmp_path: Path) -> None:
+    monkeypatch.setenv("KVCORE_CACHE_DIR", str(tmp_path / "explicit"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert buildcache.cache_root() == tmp_path / "explicit"
+    entry = buildcache.build_cached("libx.so", KEY, CountingBuild())
+    assert entry.parent == tmp_path / "explicit"
+    monkeypatch.delenv("KVCORE_CACHE_DIR")
+    assert buildcache.cache_root() == tmp_path / "xdg" / "kvcore"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert buildcache.cache_root() == tmp_path / "home" / ".cache" / "kvcore"
+
+
+def test_cache_failed_build_leaves_nothing(tmp_path: Path) -> None:
+    def failing(out: Path) -> None:
+        out.write_bytes(b"partial")
+        raise RuntimeError("compiler exploded")
+
+    with pytest.raises(RuntimeError, match="compiler exploded"):
+        buildcache.build_cached("libx.so", KEY, failing, tmp_path)
+    assert [p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock")] == []
+
+    with pytest.raises(BuildError, match="produced no output"):
+        buildcache.build_cached("libx.so", KEY, lambda out: None, tmp_path)
+    assert [p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock")] == []
+
+
+def test_cache_rejects_bad_names_and_keys(tmp_path: Path) -> None:
+    with pytest.raises(ValueError):
+        buildcache.build_cached("../evil.so", KEY, CountingBuild(), tmp_path)
+    with pytest.raises(TypeError):
+        buildcache.build_cached("libx.so", {"arch": 90}, CountingBuild(), tmp_path)  # type: ignore[dict-item]
+
+
+_WORKER = textwrap.dedent("""\
+    import os, sys, time
+    from pathlib import Path
+    from kvcore.buildcache import build_cached
+
+    cache, log, go = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
+    while not go.exists():
+        time.sleep(0.005)
+
+    def build(out):
+        with open(log, "a") as f:
+            f.write(f"{os.getpid()}\\n")
+        time.sleep(0.3)
+        out.write_bytes(b"library" * 1000)
+
+    print(build_cached("libx.so", {"k": "v"}, build, cache))
+""")
+
+
+def test_cache_concurrent_processes_build_once(tmp_path: Path) -> None:
+    cache, log, go = tmp_path / "cache", tmp_path / "builds.log", tmp_path / "go"
+    script = tmp_path / "worker.py"
+    script.write_text(_WORKER)
+    procs = [subprocess.Popen([sys.executable, str(script), str(cache), str(log), str(go)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(8)]
+    go.touch()
+    outs = [p.communicate(timeout=120) for p in procs]
+    for p, (_, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 0, err
+    paths = {out.strip() for out, _ in outs}
+    assert len(paths) == 1
+    assert len(log.read_text().splitlines()) == 1
+    assert buildcache.verify_entry(Path(paths.pop()))
+
+
+# ---------------------------------------------------------------------------- _native.py
+
+LAYOUT = {
+    "kv_stride": 1 << 30, "layer_stride": 1024, "page_stride": 64 * 32 * 1024,
+    "token_stride": 32 * 1024, "chunk_stride": 1024, "page_size": 64, "chunk_bytes": 1024,
+    "num_chunks": 1,
+}
+
+
+def test_layout_struct_mirrors_c() -> None:
+    assert ctypes.sizeof(_native.KvioLayout) == 64
+    names = [f[0] for f in _native.KvioLayout._fields_]
+    assert names == ["kv_stride", "layer_stride", "page_stride", "token_stride",
+                     "chunk_stride", "page_size", "chunk_bytes", "num_chunks"]
+    for i, name in enumerate(names):
+        assert getattr(_native.KvioLayout, name).offset == 8 * i
+
+
+def test_layout_from_fields() -> None:
+    a = _native.KvioLayout.from_fields(**LAYOUT)
+    b = _native.KvioLayout.from_fields(LAYOUT)
+    c = _native.KvioLayout.from_fields({k: v for k, v in LAYOUT.items() if k != "page_size"},
+                                       page_size=64)
+    assert a.as_dict() == b.as_dict() == c.as_dict() == LAYOUT
+    assert "page_size=64" in repr(a)
+    with pytest.raises(InvalidArgument, match="missing \\['num_chunks'\\]"):
+        _native.KvioLayout.from_fields({k: v for k, v in LAYOUT.items() if k != "num_chunks"})
+    with pytest.raises(InvalidArgument, match="unknown \\['bogus'\\]"):
+        _native.KvioLayout.from_fields(LAYOUT, bogus=1)
+    with pytest.raises(InvalidArgument, match=r"layout\.page_size"):
+        _native.KvioLayout.from_fields(LAYOUT, page_size=1 << 64)
+    with pytest.raises(InvalidArgument, match=r"layout\.page_size"):
+        _native.KvioLayout.from_fields(LAYOUT, page_size=64.0)
+
+
+class FakeLib:
+    """Stands in for the ctypes library: records calls, returns a chosen status."""
+
+    def __init__(self, status: int = 0, abi: int = 1, batched: int = 1) -> None:
+        self.status = status
+        self.abi = abi
+        self.batched = batched
+        self.calls: list[tuple[str, tuple[Any, ...]]] = []
+
+    def kvio_abi_version(self) -> int:
+        return self.abi
+
+    def kvio_has_batched_memcpy(self) -> int:
+        return self.batched
+
+    def kvio_error_string(self, code: ctypes.c_int) -> bytes:
+        messages = {1: b"invalid argument", 700: b"an illegal memory access was encountered"}
+        return messages.get(code.value, b"unrecognized error code")
+
+    def kvio_transfer_direct(self, *args: Any) -> int:
+        self.calls.append(("kvio_transfer_direct", args))
+        return self.status
+
+    def kvio_write_back_staged(self, *args: Any) -> int:
+        self.calls.append(("kvio_write_back_staged", args))
+        return self.status
+
+
+def _values(args: tuple[Any, ...]) -> list[Any]:
+    return [a if isinstance(a, _native.KvioLayout) else a.value for a in args]
+
+
+def test_native_queries() -> None:
+    lib = _native.NativeLibrary("fake.so", lib=FakeLib(batched=1))
+    assert lib.abi_version() == 1
+    assert lib.has_batched_memcpy() is True
+    assert _native.NativeLibrary(None, lib=FakeLib(batched=0)).has_batched_memcpy() is False
+    assert lib.error_string(700) == "an illegal memory access was encountered"
+
+
+def test_native_abi_mismatch() -> None:
+    with pytest.raises(BuildError, match="ABI version 2"):
+        _native.NativeLibrary("fake.so", lib=FakeLib(abi=2))
+
+
+def test_native_missing_library(tmp_path: Path) -> None:
+    with pytest.raises(BuildError, match="cannot load"):
+        _native.NativeLibrary(tmp_path / "nope.so")
+
+
+def test_transfer_direct_marshalling() -> None:
+    fake = FakeLib()
+    lib = _native.NativeLibrary("fake.so", lib=fake)
+    layout = _native.KvioLayout.from_fields(LAYOUT)
+    lib.transfer_direct(1, 0x7F0000001000, 0, 3, 2, 0x7F1000000000, layout, 0x7F2000000000,
+                        True, 0x7F3000000000, 0, 4096, 0x55AA)
+    name, args = fake.calls[-1]
+    assert name == "kvio_transfer_direct"
+    expected_types = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32,
+                      ctypes.c_int32, ctypes.c_void_p, _native.KvioLayout, ctypes.c_void_p,
+                      ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64,
+                      ctypes.c_void_p]
+    assert [type(a) for a in args] == expected_types
+    assert _values(args) == [1, 0x7F0000001000, None, 3, 2, 0x7F1000000000, layout,
+                             0x7F2000000000, 1, 0x7F3000000000, 0, 4096, 0x55AA]
+    # a mapping works as the layout too; None and 0 are NULL; the default stream is NULL
+    lib.transfer_direct(0, 1 << 40, None, 0, 80, 1 << 41, LAYOUT, 1 << 42, 0, 1 << 43, 1, 64, 0)
+    _, args = fake.calls[-1]
+    assert args[6].as_dict() == LAYOUT
+    assert args[2].value is None and args[12].value is None
+    assert args[10].value == 1
+
+
+def test_write_back_staged_marshalling() -> None:
+    fake = FakeLib()
+    lib = _native.NativeLibrary("fake.so", lib=fake)
+    lib.write_back_staged(0x1000, 0x2000, 61, 0x3000, LAYOUT, 0x4000, 0x5000, 0, 64 * 64,
+                          0x6000, 64 << 20, True, 0x7000)
+    name, args = fake.calls[-1]
+    assert name == "kvio_write_back_staged"
+    expected_types = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32, ctypes.c_void_p,
+                      _native.KvioLayout, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
+                      ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,
+                      ctypes.c_void_p]
+    assert [type(a) for a in args] == expected_types
+    values = _values(args)
+    assert values[:4] == [0x1000, 0x2000, 61, 0x3000]
+    assert values[4].as_dict() == LAYOUT
+    assert values[5:] == [0x4000, 0x5000, 0, 4096, 0x6000, 64 << 20, 1, 0x7000]
+
+
+@pytest.mark.parametrize(
+    ("code", "message"),
+    [(700, "kvio_transfer_direct: an illegal memory access was encountered (cuda error 700)"),
+     (1, "kvio_transfer_direct: invalid argument (cuda error 1)"),
+     (12345, "kvio_transfer_direct: unrecognized error code (cuda error 12345)")],
+)
+def test_error_translation(code: int, message: str) -> None:
+    lib = _native.NativeLibrary("fake.so", lib=FakeLib(status=code))
+    with pytest.raises(KernelError) as info:
+        lib.transfer_direct(1, 1, 2, 0, 1, 3, LAYOUT, 4, 0, 5, 0, 64, 0)
+    assert str(info.value) == message
+    assert info.value.code == code
+
+
+def test_error_translation_staged() -> None:
+    lib = _native.NativeLibrary("fake.so", lib=FakeLib(status=700))
+    with pytest.raises(KernelError, match=r"^kvio_write_back_staged: an illegal memory") as info:
+        lib.write_back_staged(1, 2, 4, 3, LAYOUT, 4, 5, 0, 64, 6, 1 << 20, 1, 0)
+    assert info.value.code == 700
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "match"),
+    [("direction", 2, "direction"), ("k_ptrs", -1, "k_ptrs"), ("k_ptrs", 1 << 64, "k_ptrs"),
+     ("layer_count", 1 << 31, "layer_count"), ("n_tokens", 1 << 63, "n_tokens"),
+     ("host_idx", 1.5, "host_idx"), ("layout", [1, 2], "layout")],
+)
+def test_argument_range_checks(field: str, value: Any, match: str) -> None:
+    fake = FakeLib()
+    lib = _native.NativeLibrary("fake.so", lib=fake)
+    args: dict[str, Any] = {
+        "direction": 0, "k_ptrs": 1, "v_ptrs": 2, "layer_begin": 0, "layer_count": 1,
+        "host_base": 3, "layout": LAYOUT, "host_idx": 4, "host_idx_64": 0, "dev_idx": 5,
+        "dev_idx_64": 0, "n_tokens": 64, "stream": 0,
+    }
+    args[field] = value
+    with pytest.raises(InvalidArgument, match=match):
+        lib.transfer_direct(**args)
+    assert fake.calls == []  # nothing reached the library
+
+
+# ------------------------------------------------------- the real library, loaded on a CPU
+
+
+@pytest.fixture(scope="module")
+def real_library(tmp_path_factory: pytest.TempPathFactory) -> _native.NativeLibrary:
+    try:
+        build.find_nvcc()
+    except BuildError as exc:
+        pytest.skip(f"no usable nvcc to build the library: {exc}")
+    path = build.build_library(9, 0, cache_dir=tmp_path_factory.mktemp("kvcore-cache"))
+    try:
+        return _native.NativeLibrary(path)
+    except BuildError as exc:
+        pytest.skip(f"the library built but cannot be loaded here (no libcudart?): {exc}")
+
+
+def test_real_library_abi_and_errors(real_library: _native.NativeLibrary) -> None:
+    assert real_library.abi_version() == 1
+    assert real_library.error_string(1) == "invalid argument"
+    assert real_library.error_string(700) == "an illegal memory access was encountered"
+    assert isinstance(real_library.has_batched_memcpy(), bool)
+
+
+def test_real_library_refuses_bad_arguments_before_any_cuda_call(
+        real_library: _native.NativeLibrary) -> None:
+    raw = real_library._lib
+    layout = _native.KvioLayout.from_fields(LAYOUT)
+    # direction 5, NULL k_ptrs, negative n_tokens, zero page_size: cudaErrorInvalidValue (1)
+    assert raw.kvio_transfer_direct(5, 1, 0, 0, 1, 1, layout, 1, 0, 1, 0, 64, None) == 1
+    assert raw.kvio_transfer_direct(0, None, 0, 0, 1, 1, layout, 1, 0, 1, 0, 64, None) == 1
+    assert raw.kvio_transfer_direct(0, 1, 0, 0, 1, 1, layout, 1, 0, 1, 0, -1, None) == 1
+    bad = _native.KvioLayout.from_fields(LAYOUT, page_size=0)
+    assert raw.kvio_transfer_direct(0, 1, 0, 0, 1, 1, bad, 1, 0, 1, 0, 64, None) == 1
+    # nothing to do is a success without touching the device
+    assert raw.kvio_transfer_direct(0, 1, 0, 0, 1, 1, layout, 1, 0, 1, 0, 0, None) == 0
+    assert raw.kvio_transfer_direct(1, 1, 0, 0, 0, 1, layout, 1, 0, 1, 0, 64, None) == 0
+    # staged: n_tokens not whole pages, a layout whose page is not one contiguous run
+    # (layer_stride 1024 with 32 layers needs token_stride 32 KiB: pass 16 layers instead)
+    assert raw.kvio_write_back_staged(1, 0, 32, 1, layout, 1, 1, 0, 63, 1, 1 << 30, 1,
+                                      None) == 1
+    assert raw.kvio_write_back_staged(1, 0, 16, 1, layout, 1, 1, 0, 64, 1, 1 << 30, 1,
+                                      None) == 1
+    assert raw.kvio_write_back_staged(1, 0, 32, 1, layout, 1, 1, 0, 0, 1, 1 << 30, 1,
+                                      None) == 0
+    with pytest.raises(KernelError,
+                       match=r"kvio_transfer_direct: invalid argument \(cuda error 1\)"):
+        real_library.transfer_direct(0, 0, 0, 0, 1, 1, layout, 1, 0, 1, 0, 64, 0)

@@ -1,0 +1,250 @@
+"""The kvio_cuda kernels compile to what their performance depends on (no GPU needed).
+
+Built for sm_90a (H200) exactly as the library is shipped, the SASS of every 16-byte copy
+kernel must move data with 128-bit global loads and stores carrying the cache hints of
+csrc/kvio_cuda.cu, and ptxas must report no spills:
+
+=====================================  ===============================  ====================
+PTX in the source                      SASS                             used for
+=====================================  ===============================  ====================
+ld.global.nc.L1::no_allocate.v4.u32    LDG.E.NA.128.CONSTANT            every source read
+st.global.cs.v4.u32                    STG.E.EF.128                     host-side stores
+st.global.v4.u32                       STG.E.128                        device-side stores
+=====================================  ===============================  ====================
+
+Every copy kernel also starts with ``griddepcontrol.wait`` (SASS ``ACQBULK``) before its first
+memory access: the kernels are launched with programmatic dependent launch on Hopper, and
+that wait is what keeps stream order intact.
+
+A deliberately broken kernel (scalar byte copy) and an unhinted 128-bit copy are run
+through the same checker to prove it rejects them.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from kvio_cuda import build
+
+from kvcore.errors import BuildError
+
+ARCH = (9, 0)  # H200
+
+_INSTR = re.compile(r"^\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)\b[^;]*;",
+                    re.M)
+
+
+# --------------------------------------------------------------------------- the checker
+
+
+def split_functions(sass: str) -> dict[str, str]:
+    """``cuobjdump --dump-sass`` output split into {function name: its SASS}."""
+    parts = re.split(r"^\s*Function\s*:\s*(\S+)\s*$", sass, flags=re.M)
+    return {parts[i]: parts[i + 1] for i in range(1, len(parts) - 1, 2)}
+
+
+def opcodes(function_sass: str) -> list[str]:
+    """The opcodes (with modifiers, e.g. ``LDG.E.NA.128.CONSTANT``) of one function."""
+    return _INSTR.findall(function_sass)
+
+
+def check_vector_copy(function_sass: str, *, host_side_stores: bool) -> list[str]:
+    """Problems that keep a copy kernel from moving 16-byte vectors with the streaming hints
+    (empty when it is fine).
+
+    Required: 128-bit global loads, all of them without L1 allocation (``.NA``), and 128-bit
+    global stores, all of them evict-first (``.EF``) when ``host_side_stores`` (device ->
+    host), all of them plain otherwise; no local-memory traffic (spills).
+    """
+    ops = opcodes(function_sass)
+    problems: list[str] = []
+    loads128 = [o for o in ops if o.startswith("LDG.") and ".128" in o]
+    stores128 = [o for o in ops if o.startswith("STG.") and ".128" in o]
+    if not loads128:
+        problems.append("no 128-bit global loads (LDG.E...128)")
+    elif bad := sorted({o for o in loads128 if ".NA." not in o + "."}):
+        problems.append(f"128-bit loads without the no-allocate hint (.NA): {bad}")
+    if not stores128:
+        problems.append("no 128-bit global stores (STG.E...128)")
+    elif host_side_stores:
+        if bad := sorted({o for o in stores128 if ".EF." not in o + "."}):
+            problems.append(f"128-bit host-side stores without the streaming hint (.EF): {bad}")
+    elif bad := sorted({o for o in stores128 if ".EF." in o + "."}):
+        problems.append(f"device-side stores are evict-first (.EF): {bad}")
+    if local := sorted({o for o in ops if o.startswith(("LDL", "STL"))}):
+        problems.append(f"local memory traffic (spills): {local}")
+    return problems
+
+
+def parse_ptxas(log: str) -> dict[str, dict[str, int]]:
+    """{function: {registers, stack, spill_stores, spill_loads}} from ``-Xptxas -v``."""
+    out: dict[str, dict[str, int]] = {}
+    for m in re.finditer(
+            r"Function properties for (\S+)\s*\n\s*(\d+) bytes stack frame, (\d+) bytes spill "
+            r"stores, (\d+) bytes spill loads(?:.*?\n)*?.*?Used (\d+) registers", log):
+        out[m.group(1)] = {"stack": int(m.group(2)), "spill_stores": int(m.group(3)),
+                           "spill_loads": int(m.group(4)), "registers": int(m.group(5))}
+    return out
+
+
+# --------------------------------------------------------------------------- fixtures
+
+
+def find_cuobjdump(nvcc: Path) -> Path | None:
+    """cuobjdump from PATH, next to nvcc, or from the triton wheel."""
+    on_path = shutil.which("cuobjdump")
+    if on_path:
+        return Path(on_path)
+    for d in {nvcc.parent, nvcc.resolve().parent}:
+        if (d / "cuobjdump").is_file():
+            return d / "cuobjdump"
+    spec = importlib.util.find_spec("triton")
+    if spec is not None and spec.origin is not None:
+        cand = Path(spec.origin).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+        if cand.is_file():
+            return cand
+    return None
+
+
+@pytest.fixture(scope="module")
+def tools() -> tuple[build.Nvcc, Path]:
+    try:
+        nvcc = build.find_nvcc()
+    except BuildError as exc:
+        pytest.skip(f"SASS checks need nvcc: {exc}")
+    cuobjdump = find_cuobjdump(nvcc.path)
+    if cuobjdump is None:
+        pytest.skip("SASS checks need cuobjdump (CUDA toolkit, or `pip install triton`, whose "
+                    "wheel ships it under triton/backends/nvidia/bin)")
+    return nvcc, cuobjdump
+
+
+def _compile(nvcc: build.Nvcc, source: Path, out: Path) -> str:
+    cmd = build.compile_command(nvcc.path, source, out, *ARCH, nvcc.version)
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout}\n{proc.stderr}"
+    return proc.stdout + proc.stderr
+
+
+def _dump(cuobjdump: Path, binary: Path) -> dict[str, str]:
+    proc = subprocess.run([str(cuobjdump), "--dump-sass", str(binary)], capture_output=True,
+                          text=True, check=False)
+    assert proc.returncode == 0, proc.stderr
+    return split_functions(proc.stdout)
+
+
+@pytest.fixture(scope="module")
+def shipped(tools: tuple[build.Nvcc, Path],
+            tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[dict[str, str], str]]:
+    """(SASS by function, ptxas log) of the library built from csrc/kvio_cuda.cu."""
+    nvcc, cuobjdump = tools
+    out = tmp_path_factory.mktemp("sass") / "libkvio_cuda.so"
+    log = _compile(nvcc, build.SOURCE, out)
+    yield _dump(cuobjdump, out), log
+
+
+COPY_KERNELS = [f"kvio_copy_{d}_v{v}_{i}" for d in ("d2h", "h2d") for v in (16, 8, 4, 2, 1)
+                for i in ("i32", "i64")]
+
+
+# --------------------------------------------------------------------------- the tests
+
+
+def test_all_copy_kernels_present(shipped: tuple[dict[str, str], str]) -> None:
+    sass, _ = shipped
+    assert sorted(k for k in sass if k.startswith("kvio_copy_")) == sorted(COPY_KERNELS)
+
+
+@pytest.mark.parametrize("kernel", [k for k in COPY_KERNELS if "_v16_" in k])
+def test_16_byte_kernels_use_hinted_128_bit_accesses(shipped: tuple[dict[str, str], str],
+                                                      kernel: str) -> None:
+    sass, _ = shipped
+    problems = check_vector_copy(sass[kernel], host_side_stores="_d2h_" in kernel)
+    assert problems == [], f"{kernel}: {problems}"
+    ops = opcodes(sass[kernel])
+    assert "LDG.E.NA.128.CONSTANT" in ops
+    assert ("STG.E.EF.128" if "_d2h_" in kernel else "STG.E.128") in ops
+
+
+@pytest.mark.parametrize("kernel", [k for k in COPY_KERNELS if "_v8_" in k])
+def test_8_byte_kernels_use_hinted_64_bit_accesses(shipped: tuple[dict[str, str], str],
+                                                    kernel: str) -> None:
+    ops = opcodes(shipped[0][kernel])
+    assert "LDG.E.NA.64.CONSTANT" in ops
+    assert ("STG.E.EF.64" if "_d2h_" in kernel else "STG.E.64") in ops
+
+
+@pytest.mark.parametrize("kernel", COPY_KERNELS)
+def test_every_kernel_streams_its_host_side(shipped: tuple[dict[str, str], str],
+                                            kernel: str) -> None:
+    ops = opcodes(shipped[0][kernel])
+    assert any(o.startswith("LDG.E.NA") for o in ops), "no no-allocate loads"
+    if "_d2h_" in kernel:
+        assert any(o.startswith("STG.E.EF") for o in ops), "no evict-first host stores"
+    assert not [o for o in ops if o.startswith(("LDL", "STL"))]
+
+
+@pytest.mark.parametrize("kernel", COPY_KERNELS)
+def test_dependent_launch_waits_before_any_memory_access(shipped: tuple[dict[str, str], str],
+                                                         kernel: str) -> None:
+    ops = opcodes(shipped[0][kernel])
+    assert "ACQBULK" in ops, "griddepcontrol.wait is missing"
+    first_memory = next(i for i, o in enumerate(ops) if o.startswith(("LDG", "STG", "LD.", "ST.")))
+    assert ops.index("ACQBULK") < first_memory
+
+
+def test_ptxas_reports_no_spills(shipped: tuple[dict[str, str], str]) -> None:
+    _, log = shipped
+    report = parse_ptxas(log)
+    assert sorted(report) == sorted(COPY_KERNELS), log
+    for name, r in report.items():
+        assert r["spill_stores"] == 0 and r["spill_loads"] == 0, (name, r)
+        assert r["stack"] == 0, (name, r)
+        # __launch_bounds__(256, 4): 4 blocks of 256 threads per SM fit in 64K registers
+        assert r["registers"] <= 64, (name, r)
+
+
+BROKEN_SCALAR = r"""
+extern "C" __global__ void kvio_copy_d2h_v16_broken(const char* __restrict__ src,
+                                                    char* __restrict__ dst, unsigned long n) {
+    for (unsigned long i = blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += gridDim.x * blockDim.x) {
+        dst[i] = src[i];
+    }
+}
+"""
+
+BROKEN_UNHINTED = r"""
+extern "C" __global__ void kvio_copy_d2h_v16_unhinted(const uint4* src, uint4* dst,
+                                                      unsigned long n) {
+    for (unsigned long i = blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += gridDim.x * blockDim.x) {
+        dst[i] = src[i];
+    }
+}
+"""
+
+
+@pytest.mark.parametrize(
+    ("source", "kernel", "expected"),
+    [(BROKEN_SCALAR, "kvio_copy_d2h_v16_broken", "no 128-bit global loads"),
+     (BROKEN_UNHINTED, "kvio_copy_d2h_v16_unhinted", "without the no-allocate hint")],
+)
+def test_checker_rejects_broken_kernels(tools: tuple[build.Nvcc, Path], tmp_path: Path,
+                                        source: str, kernel: str, expected: str) -> None:
+    nvcc, cuobjdump = tools
+    cu = tmp_path / "broken.cu"
+    cu.write_text(source)
+    _compile(nvcc, cu, tmp_path / "libbroken.so")
+    sass = _dump(cuobjdump, tmp_path / "libbroken.so")
+    problems = check_vector_copy(sass[kernel], host_side_stores=True)
+    assert problems, f"the checker accepted {kernel}"
+    assert any(expected in p for p in problems), problems
+    if kernel.endswith("unhinted"):
+        assert any("streaming hint (.EF)" in p for p in problems), problems
