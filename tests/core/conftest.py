@@ -11,20 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvcore.registry import Registry, reset_default_registry
+from kvcore.registry import Registry
 
 from .helpers import install_fake_plugin, reference_only
 
 _ids = itertools.count()
-
-
-@pytest.fixture(autouse=True, scope="package")
-def _one_thread() -> Iterator[None]:
-    """These tensors are tiny: intra-op threads only add overhead (~1000x on 2 cores)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture
@@ -36,16 +27,6 @@ def gen() -> torch.Generator:
 def ref_registry() -> Registry:
     """Reference plugin only, immune to the caller's KVCORE_* variables."""
     return reference_only()
-
-
-@pytest.fixture
-def clean_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[pytest.MonkeyPatch]:
-    """No KVCORE_* variables, and a fresh process-wide registry before and after the test."""
-    for var in ("KVCORE_PLUGINS", "KVCORE_BACKEND", "KVCORE_STRICT"):
-        monkeypatch.delenv(var, raising=False)
-    reset_default_registry()
-    yield monkeypatch
-    reset_default_registry()
 
 
 @pytest.fixture
