@@ -27,8 +27,9 @@ import hashlib
 import json
 import os
 import stat
+import subprocess
 import tempfile
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 from kvcore.errors import BuildError
@@ -182,3 +183,23 @@ def build_cached(name: str, key: Mapping[str, str], build: Callable[[Path], None
             return entry
         _build_into(entry, build)
     return entry
+
+
+def files_digest(paths: Sequence[Path]) -> str:
+    """sha256 over files' names and contents, in the given order (a cache-key part)."""
+    h = hashlib.sha256()
+    for p in paths:
+        h.update(p.name.encode() + b"\0" + p.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+def run_compiler(cmd: list[str], what: str) -> str:
+    """Run a compiler command; its output on success, BuildError with the last 40 lines if not."""
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    except OSError as exc:
+        raise BuildError(f"cannot run {cmd[0]}: {exc}") from exc
+    if proc.returncode != 0:
+        tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-40:])
+        raise BuildError(f"{what} failed (exit {proc.returncode}):\n  {' '.join(cmd)}\n{tail}")
+    return proc.stdout + proc.stderr

@@ -280,7 +280,7 @@ def test_build_library_uses_the_cache(tmp_path: Path, monkeypatch: pytest.Monkey
         Path(cmd[cmd.index("-o") + 1]).write_bytes(b"\x7fELF fake library " + cmd[6].encode())
         return ""
 
-    monkeypatch.setattr(build, "_run", fake_run)
+    monkeypatch.setattr(build, "run_compiler", fake_run)
     first = build.build_library("gfx942:xnack-", cache_dir=cache, toolchain=tc)
     again = build.build_library("gfx942", cache_dir=cache, toolchain=tc)
     assert first == again and first.parent == cache and first.name.startswith("libkvio_rocm-")

@@ -7,7 +7,6 @@ the architecture, the nvcc version and the flags.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 import shutil
@@ -16,7 +15,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvcore.buildcache import build_cached
+from kvcore.buildcache import build_cached, files_digest, run_compiler
 from kvcore.errors import BuildError
 
 __all__ = [
@@ -161,10 +160,7 @@ def source_files() -> list[Path]:
 
 
 def _sources_digest() -> str:
-    h = hashlib.sha256()
-    for p in source_files():
-        h.update(p.name.encode() + b"\0" + p.read_bytes() + b"\0")
-    return h.hexdigest()
+    return files_digest(source_files())
 
 
 def toolkit_lib_dir(nvcc: Path | str) -> Path | None:
@@ -207,17 +203,6 @@ def compile_command(nvcc: Path | str, source: Path | str, out: Path | str, major
     return cmd
 
 
-def _run_nvcc(cmd: list[str]) -> str:
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    except OSError as exc:
-        raise BuildError(f"cannot run {cmd[0]}: {exc}") from exc
-    if proc.returncode != 0:
-        tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-40:])
-        raise BuildError(f"nvcc failed (exit {proc.returncode}):\n  {' '.join(cmd)}\n{tail}")
-    return proc.stdout + proc.stderr
-
-
 def build_library(major: int, minor: int, cache_dir: Path | None = None) -> Path:
     """Path of the kernel library for compute capability ``major.minor``, built on first use.
 
@@ -242,8 +227,8 @@ def build_library(major: int, minor: int, cache_dir: Path | None = None) -> Path
     def build(out: Path) -> None:
         print(f"kvio_cuda: building kernels for {sm} with nvcc {nvcc.release} "
               f"(first use, cached in {out.parent})", file=sys.stderr, flush=True)
-        log = _run_nvcc(compile_command(nvcc.path, SOURCE, out, major, minor, nvcc.version,
-                                        rpath))
+        log = run_compiler(compile_command(nvcc.path, SOURCE, out, major, minor, nvcc.version,
+                                           rpath), "nvcc")
         # The report is informative only; it is rewritten by every build.
         report = out.parent / f"{Path(LIBRARY_NAME).stem}-{sm}.ptxas.txt"
         try:

@@ -10,16 +10,15 @@ sources, the target, the ROCm version and the command line.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 import shutil
-import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvcore.buildcache import files_digest, run_compiler
 from kvcore.errors import BuildError
 
 __all__ = [
@@ -239,21 +238,7 @@ def compile_command(tc: RocmToolchain, source: Path | str, out: Path | str, arch
 
 def source_digest(names: Sequence[str] = _LIBRARY_SOURCES) -> str:
     """sha256 over the named files of ``csrc/`` (names and contents)."""
-    h = hashlib.sha256()
-    for name in sorted(names):
-        h.update(name.encode() + b"\0" + (CSRC / name).read_bytes() + b"\0")
-    return h.hexdigest()
-
-
-def _run(cmd: list[str], what: str) -> str:
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    except OSError as exc:
-        raise BuildError(f"cannot run {cmd[0]}: {exc}") from exc
-    if proc.returncode != 0:
-        tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-40:])
-        raise BuildError(f"{what} failed (exit {proc.returncode}):\n  {' '.join(cmd)}\n{tail}")
-    return proc.stdout + proc.stderr
+    return files_digest([CSRC / name for name in sorted(names)])
 
 
 def build_library(arch: str | None = None, cache_dir: Path | None = None,
@@ -278,7 +263,7 @@ def build_library(arch: str | None = None, cache_dir: Path | None = None,
     def build(out: Path) -> None:
         print(f"kvio_rocm: building kernels for {target} with {tc} (first use, cached in "
               f"{out.parent})", file=sys.stderr, flush=True)
-        _run(compile_command(tc, HOST_SOURCE, out, target), "HIP compile")
+        run_compiler(compile_command(tc, HOST_SOURCE, out, target), "HIP compile")
 
     from kvcore.buildcache import build_cached
 
@@ -319,7 +304,7 @@ def build_emulated(cache_dir: Path | None = None, cxx: Path | None = None) -> Pa
     }
 
     def build(out: Path) -> None:
-        _run(emulated_compile_command(compiler, out), "emulation build")
+        run_compiler(emulated_compile_command(compiler, out), "emulation build")
 
     from kvcore.buildcache import build_cached
 
