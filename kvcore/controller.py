@@ -18,6 +18,7 @@ Example::
 from __future__ import annotations
 
 import collections
+import contextlib
 import enum
 import functools
 import itertools
@@ -162,6 +163,15 @@ class LoadHandle:
                 raise self._failure from exc
 
 
+def _drain_stream(stream: Any) -> None:
+    """Wait for work already queued on ``stream``; a device fault while waiting is ignored
+    here because the caller is already reporting a failure."""
+    if stream is None:
+        return
+    with contextlib.suppress(Exception):
+        stream.synchronize()
+
+
 def _failing_together(init: Callable[..., None]) -> Callable[..., None]:
     """With a process group, an error before the plan exchange is published to the peers."""
 
@@ -275,6 +285,8 @@ class HiCacheController:
             event = self._enqueue(Op.WRITE_BACK, self.write_stream, h, d, None, completions)
         except BaseException as exc:
             if owns:
+                # an earlier pool-group member's copy may still be writing these host slots
+                _drain_stream(self.write_stream)
                 self.allocator.free(h)
             raise self._failure("write-back", exc) from exc
         self._pending.append(_PendingWrite(ack, event, completions, owns))

@@ -43,7 +43,9 @@ from kvcore.capabilities import (
 from kvcore.errors import (
     ApiVersionMismatch,
     BackendUnavailable,
+    BuildError,
     InvalidArgument,
+    KVCoreError,
     NoBackend,
     PluginLoadError,
     UnsupportedCombination,
@@ -234,7 +236,13 @@ class Registry:
                 if not avail:
                     raise BackendUnavailable(f"backend {name!r} is unavailable: "
                                              f"{avail.reason}")  # type: ignore[union-attr]
-                self._instances[key] = self.get(name).spec.factory(device)
+                try:
+                    self._instances[key] = self.get(name).spec.factory(device)
+                except KVCoreError:
+                    raise
+                except Exception as exc:
+                    raise BuildError(f"backend {name!r} could not be created for {device}: "
+                                     f"{type(exc).__name__}: {exc}") from exc
             return self._instances[key]
 
     # -- resolution ------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import attrs
 import pytest
 import torch
 
@@ -9,6 +10,7 @@ from kvcore.capabilities import HostMemory, Unavailable
 from kvcore.controller import HiCacheController
 from kvcore.errors import (
     BackendUnavailable,
+    BuildError,
     InvalidArgument,
     KVCoreError,
     NoBackend,
@@ -154,3 +156,15 @@ def test_host_pool_buffer_must_be_a_host_tensor_of_the_right_shape() -> None:
                       8, 4)
     with pytest.raises(KVCoreError, match=r"^buffer: expected shape"):
         HostPool.wrap(torch.empty(2, 2, 16, 2, 8), "mha", "layer_first", 3, 2, 8, 4)
+
+
+def test_a_factory_that_raises_becomes_a_typed_build_error(reg: Registry) -> None:
+    def broken_factory(device: torch.device) -> object:
+        raise OSError("libkvio_fake.so: cannot open shared object file")
+
+    spec = fake_spec("fragile")
+    reg.register(attrs.evolve(spec, factory=broken_factory))
+    with pytest.raises(BuildError, match=r"backend 'fragile' could not be created for cpu.*"
+                                         r"OSError: libkvio_fake.so"):
+        HostPool.allocate("mha", "page_first", 2, 16, 2, 8, torch.bfloat16, 4, "cpu",
+                          backend="fragile", registry=reg)
