@@ -20,12 +20,18 @@ from pathlib import Path
 import pytest
 import torch
 from kvio_rocm import build
-from kvio_rocm._native import NativeLibrary
+from kvio_rocm._native import NativeLibrary, make_layout
 
-from kvcore.errors import BuildError, KernelError
+from kvcore.errors import BuildError, InvalidArgument, KernelError
 from kvcore.layout import Geometry, Kind, Layout, byte_strides, canonical_view, host_shape
+from kvcore.native import layout_fields
 
 POISON = 0x5A
+
+
+def layout_of(g: Geometry, itemsize: int) -> dict[str, int]:
+    """The kvio_layout fields of ``g``'s host buffer, as NativeBackend passes them."""
+    return layout_fields(byte_strides(g, itemsize))
 
 
 @pytest.fixture(scope="module")
@@ -134,7 +140,7 @@ def test_transfer_direct_matches_layout(emul, case, direction, idx) -> None:
     dev_idx = torch.randperm(dev_tokens, generator=gen)[:n].to(idx[1])
     layer_begin, layer_count = (0, L) if direction == 0 else (1, 2)
     layers = range(layer_begin, layer_begin + layer_count)
-    strides = byte_strides(g, dtype.itemsize)
+    strides = layout_of(g, dtype.itemsize)
 
     if direction == 0:
         pool = make_pool(g, dtype, dev_tokens, gen)
@@ -179,7 +185,7 @@ def test_launch_is_split_and_grid_strided(emul) -> None:
     dev_idx = torch.randperm(300, generator=gen)[: host_idx.numel()]
     raw.kvio_emul_reset()
     lib.transfer_direct(0, pool.k_ptrs, pool.v_ptrs, 0, 4, host.data_ptr(),
-                        byte_strides(g, 1), host_idx.data_ptr(), 1, dev_idx.data_ptr(), 1,
+                        layout_of(g, 1), host_idx.data_ptr(), 1, dev_idx.data_ptr(), 1,
                         host_idx.numel(), 0)
     c = counters(raw)
     assert c["launches"] == 2
@@ -237,9 +243,9 @@ def test_write_back_staged(emul, case, use_batched, dev64) -> None:
         view[kv, layer, host_idx // P, host_idx % P] = pool.layers[kv][layer][dev_idx.long()]
 
     raw.kvio_emul_reset()
-    lib.write_back_staged(pool.k_ptrs, pool.v_ptrs, L, host.data_ptr(), byte_strides(g,
-                          dtype.itemsize), host_idx.data_ptr(), dev_idx.data_ptr(), dev64, n,
-                          staging.data_ptr(), staging.numel(), use_batched, 0)
+    lib.write_back_staged(pool.k_ptrs, pool.v_ptrs, L, host.data_ptr(),
+                          layout_of(g, dtype.itemsize), host_idx.data_ptr(), dev_idx.data_ptr(),
+                          dev64, n, staging.data_ptr(), staging.numel(), use_batched, 0)
     assert torch.equal(host.view(torch.uint8), expected.view(torch.uint8))
     c = counters(raw)
     chunks = -(-len(pages) // per_chunk)
@@ -270,7 +276,7 @@ def test_launch_error_becomes_kernel_error(emul) -> None:
     raw.kvio_emul_fail_next(0, 719)  # the launch fails; hipGetLastError reports it
     with pytest.raises(KernelError) as err:
         lib.transfer_direct(1, pool.k_ptrs, pool.v_ptrs, 0, 2, host.data_ptr(),
-                            byte_strides(g, 2), host_idx.data_ptr(), 1, dev_idx.data_ptr(), 1,
+                            layout_of(g, 2), host_idx.data_ptr(), 1, dev_idx.data_ptr(), 1,
                             8, 0)
     assert err.value.code == 719
     assert str(err.value) == ("kvio_transfer_direct: unspecified launch failure "
@@ -286,7 +292,7 @@ def test_copy_error_becomes_kernel_error(emul, which, use_batched) -> None:
     raw.kvio_emul_fail_next(which, 2)
     with pytest.raises(KernelError, match=r"kvio_write_back_staged: out of memory "
                                           r"\(hip error 2\)") as err:
-        lib.write_back_staged(pool.k_ptrs, pool.v_ptrs, 2, host.data_ptr(), byte_strides(g, 2),
+        lib.write_back_staged(pool.k_ptrs, pool.v_ptrs, 2, host.data_ptr(), layout_of(g, 2),
                               host_idx.data_ptr(), dev_idx.data_ptr(), 1, 8,
                               staging.data_ptr(), staging.numel(), use_batched, 0)
     assert err.value.code == 2
@@ -298,7 +304,7 @@ def test_batch_not_supported_falls_back_to_per_run(emul) -> None:
     staging = torch.empty(1 << 12, dtype=torch.uint8)
     raw.kvio_emul_reset()
     raw.kvio_emul_fail_next(2, 801)  # hipErrorNotSupported from the batch entry point
-    lib.write_back_staged(pool.k_ptrs, pool.v_ptrs, 2, host.data_ptr(), byte_strides(g, 2),
+    lib.write_back_staged(pool.k_ptrs, pool.v_ptrs, 2, host.data_ptr(), layout_of(g, 2),
                           host_idx.data_ptr(), dev_idx.data_ptr(), 1, 8, staging.data_ptr(),
                           staging.numel(), 1, 0)
     c = counters(raw)
@@ -314,7 +320,7 @@ def test_batch_not_supported_falls_back_to_per_run(emul) -> None:
 def test_staged_refusals_are_invalid_value(emul, what) -> None:
     lib, _ = emul
     g, pool, host, host_idx, dev_idx = _mha_page_first()
-    strides = byte_strides(g, 2)
+    strides = layout_of(g, 2)
     staging = torch.empty(1 << 12, dtype=torch.uint8)
     n, staging_bytes = 8, staging.numel()
     if what == "unaligned-tokens":
@@ -324,7 +330,7 @@ def test_staged_refusals_are_invalid_value(emul, what) -> None:
     elif what == "not-contiguous":
         lf = Geometry(kind=Kind.MHA, layout=Layout.LAYER_FIRST, num_layers=2, size=16,
                       head_num=1, head_dim=8, page_size=4)
-        strides = byte_strides(lf, 2)
+        strides = layout_of(lf, 2)
     else:
         host_idx = host_idx + 1
     with pytest.raises(KernelError, match=r"invalid argument \(hip error 1\)") as err:
@@ -337,13 +343,14 @@ def test_staged_refusals_are_invalid_value(emul, what) -> None:
 def test_direct_refusals_and_no_ops(emul) -> None:
     lib, raw = emul
     g, pool, host, host_idx, dev_idx = _mha_page_first()
-    fields = {k: getattr(byte_strides(g, 2), k) for k in (
-        "kv_stride", "layer_stride", "page_stride", "token_stride", "chunk_stride",
-        "page_size", "chunk_bytes", "num_chunks")}
-    with pytest.raises(KernelError) as err:
+    fields = layout_of(g, 2)
+    # a bad direction: the binding refuses it before any call, the library on its own too
+    with pytest.raises(InvalidArgument, match="direction"):
         lib.transfer_direct(2, pool.k_ptrs, pool.v_ptrs, 0, 2, host.data_ptr(), fields,
                             host_idx.data_ptr(), 1, dev_idx.data_ptr(), 1, 8, 0)
-    assert err.value.code == 1
+    assert lib._lib.kvio_transfer_direct(2, pool.k_ptrs, pool.v_ptrs, 0, 2, host.data_ptr(),
+                                         make_layout(fields), host_idx.data_ptr(), 1,
+                                         dev_idx.data_ptr(), 1, 8, None) == 1
     with pytest.raises(KernelError):
         lib.transfer_direct(0, pool.k_ptrs, pool.v_ptrs, 0, 2, host.data_ptr(),
                             {**fields, "chunk_bytes": 0}, host_idx.data_ptr(), 1,

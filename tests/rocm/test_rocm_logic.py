@@ -19,8 +19,9 @@ from kvio_rocm._native import PROTOTYPES, KvioLayout, NativeLibrary, make_layout
 from kvio_rocm.probe import RocmFacts, gather_facts
 from kvio_rocm.probe import probe as rocm_probe
 
-from kvcore.errors import BuildError, KernelError
+from kvcore.errors import BuildError, InvalidArgument, KernelError
 from kvcore.layout import Geometry, Kind, Layout, byte_strides
+from kvcore.native import layout_fields
 
 # ---------------------------------------------------------------------------- probe
 
@@ -351,8 +352,7 @@ class FakeLib:
 
 
 def layout_of(g: Geometry, itemsize: int) -> dict[str, int]:
-    s = byte_strides(g, itemsize)
-    return {f: getattr(s, f) for f, _ in KvioLayout._fields_}
+    return layout_fields(byte_strides(g, itemsize))
 
 
 G = Geometry(kind=Kind.MHA, layout=Layout.PAGE_HEAD, num_layers=3, size=32, head_num=4,
@@ -362,7 +362,7 @@ G = Geometry(kind=Kind.MHA, layout=Layout.PAGE_HEAD, num_layers=3, size=32, head
 def test_transfer_direct_marshalling() -> None:
     fake = FakeLib()
     lib = NativeLibrary(lib=fake)
-    lib.transfer_direct(1, 0x1000, 0x2000, 1, 2, 0x7F0000000000, byte_strides(G, 2), 0x3000,
+    lib.transfer_direct(1, 0x1000, 0x2000, 1, 2, 0x7F0000000000, layout_of(G, 2), 0x3000,
                         True, 0x4000, 0, 24, 0xABC)
     (name, args), = fake.calls
     assert name == "kvio_transfer_direct"
@@ -413,20 +413,25 @@ def test_abi_mismatch_and_missing_symbol_are_build_errors(tmp_path: Path) -> Non
         NativeLibrary(tmp_path / "missing.so")
 
 
-def test_make_layout_accepts_struct_mapping_and_strides() -> None:
+def test_make_layout_accepts_struct_and_mapping_only() -> None:
     fields = layout_of(G, 2)
     from_map = make_layout(fields)
     assert make_layout(from_map) is from_map
-    assert make_layout(byte_strides(G, 2)).as_dict() == fields == from_map.as_dict()
-    with pytest.raises(TypeError, match="missing fields"):
+    assert from_map.as_dict() == fields
+    with pytest.raises(InvalidArgument, match="missing"):
         make_layout({"kv_stride": 1})
-    with pytest.raises(TypeError, match="expected KvioLayout"):
-        make_layout(object())
+    with pytest.raises(InvalidArgument, match=r"layout\.page_size"):
+        make_layout({**fields, "page_size": 1 << 63})
+    for other in (object(), byte_strides(G, 2)):  # fields as attributes: not a layout
+        with pytest.raises(InvalidArgument, match="a KvioLayout or a mapping"):
+            make_layout(other)
     assert ctypes.sizeof(KvioLayout) == 64
 
 
 def test_binding_module_is_torch_free() -> None:
     import kvio_rocm._native as native
 
-    source = Path(native.__file__).read_text()
-    assert "import torch" not in source
+    from kvcore import native_abi
+
+    for module in (native, native_abi):
+        assert "import torch" not in Path(module.__file__).read_text()

@@ -1,0 +1,278 @@
+"""The one ctypes binding of the native C ABI (docs/native-abi.md), shared by every native
+plugin (kvio_cuda, kvio_rocm).
+
+Vendor-neutral: it knows only the ABI. The runtime's label for error messages (``"cuda"``,
+``"hip"``) and the library's display name (``"kvio_cuda"``) are constructor arguments of
+:class:`NativeLibrary`. Pure marshalling, no torch: pointers, sizes and stream handles are plain
+ints (0 or None is NULL), checked for range before they are narrowed to C types, and a nonzero
+status becomes a :class:`~kvcore.errors.KernelError` carrying the runtime's message and code.
+The library object can be replaced by any object with the same functions (tests use fakes).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import operator
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from kvcore.errors import BuildError, InvalidArgument, KernelError
+
+__all__ = ["ABI_VERSION", "KvioLayout", "NativeLibrary", "PROTOTYPES", "make_layout"]
+
+#: the ABI version this binding speaks (kvio_abi_version() must return it)
+ABI_VERSION = 1
+
+_LAYOUT_FIELDS = ("kv_stride", "layer_stride", "page_stride", "token_stride", "chunk_stride",
+                  "page_size", "chunk_bytes", "num_chunks")
+
+_INT32 = (-(1 << 31), (1 << 31) - 1)
+_INT64 = (-(1 << 63), (1 << 63) - 1)
+_PTR = (0, (1 << 64) - 1)
+
+
+class KvioLayout(ctypes.Structure):
+    """Mirror of ``struct kvio_layout``: eight int64 fields, byte strides and sizes of the host
+    buffer, passed by value."""
+
+    _fields_ = [(name, ctypes.c_int64) for name in _LAYOUT_FIELDS]
+
+    @classmethod
+    def from_fields(cls, fields: Mapping[str, int] | None = None, /,
+                    **kwargs: int) -> KvioLayout:
+        """Build from a mapping and/or keyword arguments naming exactly the eight fields.
+
+        ``KvioLayout.from_fields(kv_stride=..., ..., num_chunks=1)`` or
+        ``KvioLayout.from_fields(layout_dict)``; a missing, unknown or out-of-range field
+        raises InvalidArgument.
+        """
+        values: dict[str, Any] = dict(fields or {})
+        values.update(kwargs)
+        missing = [n for n in _LAYOUT_FIELDS if n not in values]
+        unknown = sorted(set(values) - set(_LAYOUT_FIELDS))
+        if missing or unknown:
+            raise InvalidArgument("layout", f"exactly the fields {', '.join(_LAYOUT_FIELDS)}",
+                                  f"missing {missing}, unknown {unknown}")
+        return cls(**{n: _int(f"layout.{n}", values[n], _INT64) for n in _LAYOUT_FIELDS})
+
+    def as_dict(self) -> dict[str, int]:
+        """The fields as a plain dict."""
+        return {name: int(getattr(self, name)) for name in _LAYOUT_FIELDS}
+
+    def __repr__(self) -> str:
+        inner = ", ".join(f"{k}={v}" for k, v in self.as_dict().items())
+        return f"KvioLayout({inner})"
+
+
+def make_layout(layout: KvioLayout | Mapping[str, int]) -> KvioLayout:
+    """A KvioLayout from a KvioLayout (returned as is) or a mapping of exactly its eight fields
+    (e.g. :func:`kvcore.native.layout_fields`); anything else raises InvalidArgument."""
+    if isinstance(layout, KvioLayout):
+        return layout
+    if isinstance(layout, Mapping):
+        return KvioLayout.from_fields(layout)
+    raise InvalidArgument("layout", "a KvioLayout or a mapping of its fields",
+                          type(layout).__name__)
+
+
+def _int(name: str, value: Any, bounds: tuple[int, int]) -> int:
+    try:
+        v = operator.index(value)
+    except TypeError:
+        raise InvalidArgument(name, "an int", f"{type(value).__name__} {value!r}") from None
+    lo, hi = bounds
+    if not lo <= v <= hi:
+        raise InvalidArgument(name, f"an int in [{lo}, {hi}]", str(v))
+    return v
+
+
+def _ptr(name: str, value: Any) -> ctypes.c_void_p:
+    """A pointer or handle as c_void_p; None and 0 are NULL."""
+    if value is None:
+        return ctypes.c_void_p(None)
+    return ctypes.c_void_p(_int(name, value, _PTR) or None)
+
+
+def _flag(name: str, value: Any) -> ctypes.c_int:
+    return ctypes.c_int(1 if _int(name, value, _INT64) else 0)
+
+
+_c = ctypes
+#: name -> (restype, argtypes) of every function the library exports
+PROTOTYPES: dict[str, tuple[Any, tuple[Any, ...]]] = {
+    "kvio_abi_version": (_c.c_int, ()),
+    "kvio_error_string": (_c.c_char_p, (_c.c_int,)),
+    "kvio_has_batched_memcpy": (_c.c_int, ()),
+    "kvio_transfer_direct": (_c.c_int, (
+        _c.c_int,       # direction
+        _c.c_void_p,    # k_ptrs
+        _c.c_void_p,    # v_ptrs
+        _c.c_int32,     # layer_begin
+        _c.c_int32,     # layer_count
+        _c.c_void_p,    # host_base
+        KvioLayout,     # layout (by value)
+        _c.c_void_p,    # host_idx
+        _c.c_int,       # host_idx_64
+        _c.c_void_p,    # dev_idx
+        _c.c_int,       # dev_idx_64
+        _c.c_int64,     # n_tokens
+        _c.c_void_p,    # stream
+    )),
+    "kvio_write_back_staged": (_c.c_int, (
+        _c.c_void_p,    # k_ptrs
+        _c.c_void_p,    # v_ptrs
+        _c.c_int32,     # num_layers
+        _c.c_void_p,    # host_base
+        KvioLayout,     # layout (by value)
+        _c.c_void_p,    # host_idx_cpu (int64, CPU memory)
+        _c.c_void_p,    # dev_idx
+        _c.c_int,       # dev_idx_64
+        _c.c_int64,     # n_tokens
+        _c.c_void_p,    # staging
+        _c.c_int64,     # staging_bytes
+        _c.c_int,       # use_batched
+        _c.c_void_p,    # stream
+    )),
+}
+
+
+class NativeLibrary:
+    """A loaded library implementing the native ABI.
+
+    ``NativeLibrary(path, runtime="cuda", name="kvio_cuda")`` loads ``path`` with ctypes,
+    binds every function's prototype and checks the ABI version. ``runtime`` labels the status
+    codes in error messages (``"cuda error 700"``), ``name`` names the library in load errors.
+    ``lib=`` substitutes an already loaded or fake library object (tests): every function must
+    be there; ctypes function pointers get the prototypes, Python stand-ins are called with the
+    same ctypes-typed arguments.
+    """
+
+    def __init__(self, path: Path | str | None = None, *, runtime: str, name: str,
+                 lib: Any = None) -> None:
+        self.path = Path(path) if path is not None else None
+        self.runtime = runtime
+        self.name = name
+        if lib is None:
+            if path is None:
+                raise InvalidArgument("path", f"the path of the {name} library", "None")
+            try:
+                lib = ctypes.CDLL(str(path))
+            except OSError as exc:
+                raise BuildError(f"cannot load the {name} library {path}: {exc}") from exc
+        self._lib = lib
+        self._bind()
+        version = self.abi_version()
+        if version != ABI_VERSION:
+            raise BuildError(f"{self._where()} implements native ABI version {version}, this "
+                             f"binding speaks version {ABI_VERSION} (a stale build cache "
+                             f"entry? rebuild the {name} library)")
+
+    def _where(self) -> str:
+        return str(self.path) if self.path is not None else repr(self._lib)
+
+    def _bind(self) -> None:
+        for function, (restype, argtypes) in PROTOTYPES.items():
+            try:
+                fn = getattr(self._lib, function)
+            except AttributeError:
+                raise BuildError(f"{self._where()} does not export {function} (a stale or "
+                                 f"foreign library; rebuild the {self.name} library)") from None
+            if isinstance(fn, ctypes._CFuncPtr):
+                fn.restype = restype
+                fn.argtypes = list(argtypes)
+
+    def __repr__(self) -> str:
+        return f"NativeLibrary({str(self.path)!r}, runtime={self.runtime!r})"
+
+    # ------------------------------------------------------------------ queries
+
+    def abi_version(self) -> int:
+        """``kvio_abi_version()``."""
+        return int(self._lib.kvio_abi_version())
+
+    def has_batched_memcpy(self) -> bool:
+        """Whether the loaded runtime (and driver) offer the batched async memcpy
+        (cudaMemcpyBatchAsync / hipMemcpyBatchAsync)."""
+        return bool(int(self._lib.kvio_has_batched_memcpy()))
+
+    def error_string(self, code: int) -> str:
+        """The runtime's message for status ``code``."""
+        raw = self._lib.kvio_error_string(ctypes.c_int(_int("code", code, _INT32)))
+        if raw is None:
+            return "unknown error"
+        if isinstance(raw, bytes):
+            return raw.decode(errors="replace")
+        return str(raw)
+
+    def check(self, function: str, status: Any) -> None:
+        """Raise KernelError for a nonzero ``status`` returned by ``function``."""
+        code = int(status)
+        if code != 0:
+            raise KernelError(f"{function}: {self.error_string(code)} "
+                              f"({self.runtime} error {code})", code=code)
+
+    # ------------------------------------------------------------------ transfers
+
+    def transfer_direct(self, direction: int, k_ptrs: int, v_ptrs: int | None,
+                        layer_begin: int, layer_count: int, host_base: int,
+                        layout: KvioLayout | Mapping[str, int], host_idx: int,
+                        host_idx_64: int, dev_idx: int, dev_idx_64: int, n_tokens: int,
+                        stream: int | None) -> None:
+        """``kvio_transfer_direct``: copy layers [layer_begin, layer_begin + layer_count) of
+        ``n_tokens`` token pairs; direction 0 = device -> host, 1 = host -> device.
+
+        Enqueued on ``stream`` (the runtime's raw stream handle; 0 = the default stream).
+        Raises InvalidArgument before any call for an argument out of range, KernelError when
+        the library returns a nonzero status.
+        """
+        if direction not in (0, 1):
+            raise InvalidArgument("direction", "0 (device -> host) or 1 (host -> device)",
+                                  repr(direction))
+        status = self._lib.kvio_transfer_direct(
+            ctypes.c_int(direction),
+            _ptr("k_ptrs", k_ptrs),
+            _ptr("v_ptrs", v_ptrs),
+            ctypes.c_int32(_int("layer_begin", layer_begin, _INT32)),
+            ctypes.c_int32(_int("layer_count", layer_count, _INT32)),
+            _ptr("host_base", host_base),
+            make_layout(layout),
+            _ptr("host_idx", host_idx),
+            _flag("host_idx_64", host_idx_64),
+            _ptr("dev_idx", dev_idx),
+            _flag("dev_idx_64", dev_idx_64),
+            ctypes.c_int64(_int("n_tokens", n_tokens, _INT64)),
+            _ptr("stream", stream),
+        )
+        self.check("kvio_transfer_direct", status)
+
+    def write_back_staged(self, k_ptrs: int, v_ptrs: int | None, num_layers: int,
+                          host_base: int, layout: KvioLayout | Mapping[str, int],
+                          host_idx_cpu: int, dev_idx: int, dev_idx_64: int, n_tokens: int,
+                          staging: int, staging_bytes: int, use_batched: int | bool,
+                          stream: int | None) -> None:
+        """``kvio_write_back_staged``: all layers of whole pages, gathered into ``staging``
+        (device, ``staging_bytes``) as the host page image and copied to the host page by page
+        (batched when ``use_batched`` and the runtime has it).
+
+        ``host_idx_cpu`` points to int64 indices in CPU memory, ``dev_idx`` to device
+        indices. The staging buffer is in use until ``stream`` passes this call. Raises
+        InvalidArgument before any call for an argument out of range, KernelError when the
+        library returns a nonzero status.
+        """
+        status = self._lib.kvio_write_back_staged(
+            _ptr("k_ptrs", k_ptrs),
+            _ptr("v_ptrs", v_ptrs),
+            ctypes.c_int32(_int("num_layers", num_layers, _INT32)),
+            _ptr("host_base", host_base),
+            make_layout(layout),
+            _ptr("host_idx_cpu", host_idx_cpu),
+            _ptr("dev_idx", dev_idx),
+            _flag("dev_idx_64", dev_idx_64),
+            ctypes.c_int64(_int("n_tokens", n_tokens, _INT64)),
+            _ptr("staging", staging),
+            ctypes.c_int64(_int("staging_bytes", staging_bytes, _INT64)),
+            _flag("use_batched", use_batched),
+            _ptr("stream", stream),
+        )
+        self.check("kvio_write_back_staged", status)

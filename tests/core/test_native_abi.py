@@ -1,0 +1,65 @@
+"""kvcore.native_abi on its own: the vendor label and library name come from the caller, and
+every function of the ABI must be present before anything is called."""
+
+from __future__ import annotations
+
+import types
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvcore.errors import BuildError, InvalidArgument, KernelError
+from kvcore.native_abi import PROTOTYPES, NativeLibrary
+
+
+def stand_in(status: int = 0, **drop: bool) -> types.SimpleNamespace:
+    """A Python object with the ABI's functions; ``drop`` leaves some out."""
+    calls: list[tuple[Any, ...]] = []
+    impl = {
+        "kvio_abi_version": lambda: 1,
+        "kvio_error_string": lambda code: b"out of memory" if code.value == 2 else None,
+        "kvio_has_batched_memcpy": lambda: 0,
+        "kvio_transfer_direct": lambda *args: calls.append(args) or status,
+        "kvio_write_back_staged": lambda *args: calls.append(args) or status,
+    }
+    assert set(impl) == set(PROTOTYPES)
+    return types.SimpleNamespace(calls=calls,
+                                 **{k: v for k, v in impl.items() if not drop.get(k)})
+
+
+LAYOUT = dict(kv_stride=4096, layer_stride=2048, page_stride=256, token_stride=32,
+              chunk_stride=32, page_size=8, chunk_bytes=32, num_chunks=1)
+
+
+@pytest.mark.parametrize("runtime", ["cuda", "hip", "level0"])
+def test_status_is_labelled_with_the_callers_runtime(runtime: str) -> None:
+    lib = NativeLibrary(runtime=runtime, name=f"kvio_{runtime}", lib=stand_in(status=2))
+    with pytest.raises(KernelError) as err:
+        lib.write_back_staged(1, None, 2, 3, LAYOUT, 4, 5, 1, 8, 6, 1 << 20, 1, 0)
+    assert str(err.value) == f"kvio_write_back_staged: out of memory ({runtime} error 2)"
+    assert err.value.code == 2
+    assert lib.error_string(3) == "unknown error"
+    assert lib.has_batched_memcpy() is False
+
+
+def test_missing_function_and_missing_path_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(BuildError, match=r"does not export kvio_has_batched_memcpy .*kvio_x"):
+        NativeLibrary(runtime="x", name="kvio_x", lib=stand_in(kvio_has_batched_memcpy=True))
+    with pytest.raises(InvalidArgument, match="the path of the kvio_x library"):
+        NativeLibrary(runtime="x", name="kvio_x")
+    with pytest.raises(BuildError, match="cannot load the kvio_x library"):
+        NativeLibrary(tmp_path / "absent.so", runtime="x", name="kvio_x")
+
+
+def test_bad_arguments_never_reach_the_library() -> None:
+    fake = stand_in()
+    lib = NativeLibrary(runtime="x", name="kvio_x", lib=fake)
+    with pytest.raises(InvalidArgument, match="staging_bytes"):
+        lib.write_back_staged(1, None, 2, 3, LAYOUT, 4, 5, 1, 8, 6, 1 << 63, 1, 0)
+    with pytest.raises(InvalidArgument, match="stream"):
+        lib.transfer_direct(0, 1, None, 0, 2, 3, LAYOUT, 4, 1, 5, 1, 8, -1)
+    assert fake.calls == []
+    lib.transfer_direct(0, 1, None, 0, 2, 3, LAYOUT, 4, 1, 5, 1, 8, None)
+    (args,) = fake.calls
+    assert args[2].value is None and args[-1].value is None
