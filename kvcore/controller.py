@@ -338,6 +338,7 @@ class HiCacheController:
                     self.allocator.free(p.ack.host_indices)
                 self._record_fault(exc)
                 self._requeue_done(done)
+                self._join_ack_round()
                 raise TransferFailed(
                     f"write-back {p.ack.id} failed at completion; its "
                     f"{p.ack.host_indices.numel()} host slots were released: {exc}", exc) from exc
@@ -359,8 +360,16 @@ class HiCacheController:
             if p.owns_host:
                 self.allocator.free(p.ack.host_indices)
             dropped += 1
+        self._join_ack_round()
         self._check_usable(f"; {dropped} queued write-backs were dropped and their host "
                            "slots released" if dropped else "")
+
+    def _join_ack_round(self) -> None:
+        """Take part in this poll's all-reduce with no new acks before raising, so peer ranks
+        polling at the same time hold their acks back instead of waiting for this rank."""
+        if self.process_group is not None:
+            with contextlib.suppress(Exception):  # the device may be what failed
+                self._agree_acks([])
 
     def _agree_acks(self, done: list[WriteAck]) -> list[WriteAck]:
         if self.process_group is None:

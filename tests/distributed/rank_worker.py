@@ -174,6 +174,27 @@ def _acks(gate: _Gate, rank: int, world: int, odd_rank: int, timeout_s: float) -
     return {"polls": polls, "completed": ctl.completed_writes}
 
 
+def failed_ack(rank: int, world: int, odd_rank: int, timeout_s: float) -> object:
+    """Every rank writes once; the odd rank's write fails at completion. Every rank polls."""
+    from kvcore.layout import Op
+    from kvcore.testing.faults import Fault, FaultMode, fault_backend
+
+    reg = Registry({"KVCORE_PLUGINS": ""})
+    with fault_backend(registry=reg) as faults:
+        if rank == odd_rank:
+            faults.arm(Fault(Op.WRITE_BACK, nth=1, mode=FaultMode.ASYNC))
+        dev = DevicePool.allocate("mha", LAYERS, SIZE, 2, 8, torch.float16, "cpu", PAGE)
+        host = HostPool.allocate("mha", "page_first", LAYERS, SIZE, 2, 8, torch.float16, PAGE,
+                                 "cpu", registry=reg)
+        ctl = HiCacheController(dev, host, backend=faults.name, registry=reg,
+                                process_group=dist.group.WORLD, agreement_timeout_s=timeout_s)
+        ctl.write(torch.arange(PAGE))
+        free_before = host.allocator.available_size()
+        first = [a.id for a in ctl.wait_acks()]  # the odd rank raises here
+        return {"first": first, "pending": ctl.pending_writes,
+                "freed": host.allocator.available_size() - free_before}
+
+
 SCENARIOS = {
     "agree": lambda r, w, o, t: construct(r, w, o, t, "agree"),
     "agree_again": lambda r, w, o, t: construct(r, w, o, t, "agree"),
@@ -182,4 +203,5 @@ SCENARIOS = {
     "raise": lambda r, w, o, t: construct(r, w, o, t, "raise"),
     "die": lambda r, w, o, t: construct(r, w, o, t, "die"),
     "acks": acks,
+    "failed_ack": failed_ack,
 }

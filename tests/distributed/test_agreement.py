@@ -20,7 +20,8 @@ from .rank_worker import ACK_SCHEDULE, TWIN, WRITES, run_rank
 
 JOIN_S = 90.0  # a generous bound on a whole group: a rank still running after it hung
 PLAYS = [("agree", -1, 30.0), ("backend", -1, 30.0), ("residency", 0, 30.0),
-         ("raise", 1, 30.0), ("acks", -1, 30.0), ("agree_again", -1, 30.0)]
+         ("raise", 1, 30.0), ("acks", -1, 30.0), ("failed_ack", -1, 30.0),
+         ("agree_again", -1, 30.0)]
 DEATH_TIMEOUT_S = 3.0
 
 Outcomes = dict[str, dict[int, tuple]]
@@ -142,6 +143,19 @@ def test_acks_advance_by_the_minimum_completed_across_ranks(
         polls = [(ids, pending) for ids, pending in out["acks"][r][1]["polls"]]
         assert polls == expected, f"rank {r}"
         assert out["acks"][r][1]["completed"] == WRITES
+
+
+def test_a_failed_write_on_one_rank_holds_back_every_ranks_ack_and_hangs_none(
+        played: tuple[int, Outcomes]) -> None:
+    world, out = played
+    odd = world - 1
+    assert sorted(out["failed_ack"]) == list(range(world)), "every rank returned"
+    name, message = raised(out["failed_ack"][odd])
+    assert name == "TransferFailed" and "failed at completion" in message
+    for r in range(odd):
+        assert out["failed_ack"][r][0] == "ok", out["failed_ack"][r]
+        # its own write completed, but not on every rank: held back, not acknowledged
+        assert out["failed_ack"][r][1] == {"first": [], "pending": 1, "freed": 0}
 
 
 @pytest.mark.parametrize("world", [2, 4])
