@@ -20,11 +20,31 @@ if TYPE_CHECKING:
 REFERENCE = "reference"
 
 
-def random_fill(t: torch.Tensor, generator: torch.Generator) -> None:
-    """Fill with random bytes (any dtype, NaN patterns included), never zeros."""
-    raw = torch.randint(0, 256, (t.numel() * t.element_size(),), dtype=torch.uint8,
-                        generator=generator)
-    t.view(-1).view(torch.uint8).copy_(raw.to(t.device))
+#: bytes generated per step when random data is made on an accelerator
+FILL_CHUNK_BYTES = 256 << 20
+
+
+def random_fill(t: torch.Tensor, generator: torch.Generator,
+                on: torch.device | None = None) -> None:
+    """Fill with random bytes (any dtype, NaN patterns included), never zeros.
+
+    The bytes are drawn from ``generator`` (a CPU generator) where ``on`` is None or the CPU.
+    With ``on`` an accelerator (default for a tensor that lives on one), a seed drawn from
+    ``generator`` drives a generator on that device, which makes gigabytes of test data in
+    milliseconds; a host tensor filled this way gets the bytes copied over in chunks.
+    """
+    where = on if on is not None else t.device
+    flat = t.view(-1).view(torch.uint8)
+    if where.type in ("cpu", "meta"):
+        flat.copy_(torch.randint(0, 256, (flat.numel(),), dtype=torch.uint8,
+                                 generator=generator))
+        return
+    seed = int(torch.randint(0, 2**62, (1,), generator=generator))
+    device_gen = torch.Generator(device=where).manual_seed(seed)
+    for start in range(0, flat.numel(), FILL_CHUNK_BYTES):
+        n = min(FILL_CHUNK_BYTES, flat.numel() - start)
+        flat[start:start + n].copy_(torch.randint(0, 256, (n,), dtype=torch.uint8,
+                                                  device=where, generator=device_gen))
 
 
 def _scratch_device(m_device: DevicePool, g: Geometry, gen: torch.Generator) -> DevicePool:

@@ -168,7 +168,7 @@ class Bench:
         sets = index_sets(case, gen, self.device)
         initial = self._pools(case, REFERENCE)
         for t in (*initial[0].all_buffers(), initial[1].buffer):
-            random_fill(t, gen)
+            random_fill(t, gen, on=self.device)  # made on the accelerator: GBs in ms
         expected = self._pools(case, REFERENCE)
         copy_state(initial, expected)
         ref_plan = self._plan(case, REFERENCE)
