@@ -31,7 +31,7 @@ from kvcore.layout import Op
 from kvcore.plan import PlacedIndices, TransferPlan
 from kvcore.pools import DevicePool, HostPool
 from kvcore.registry import REFERENCE, Registry, make_request
-from kvcore.streams import current_stream
+from kvcore.streams import current_stream, has_streams
 from kvcore.validate import check_indices
 from kvcore.verify import random_fill
 
@@ -118,6 +118,9 @@ class Bench:
     repeat: int = 5
     seed: int = 0
     settings: dict[str, Any] = attrs.field(factory=dict)
+    _pool_cache: dict[tuple[str, str], tuple[DevicePool, HostPool]] = attrs.field(
+        factory=dict, init=False)
+    _pool_key: tuple[object, ...] | None = attrs.field(default=None, init=False)
 
     def backend_names(self) -> list[str]:
         """The backends to measure, the reference first when it is among them."""
@@ -141,10 +144,13 @@ class Bench:
         ceiling = Ceiling(clock, ref_instance.allocate_host)  # type: ignore[attr-defined]
         rows: list[Row] = []
         host_memory: str | None = None
-        for case in self.cases:
-            case_rows, memory = self._run_case(case, names, clock, ceiling, advance)
-            rows += case_rows
-            host_memory = host_memory or memory
+        try:
+            for case in self.cases:
+                case_rows, memory = self._run_case(case, names, clock, ceiling, advance)
+                rows += case_rows
+                host_memory = host_memory or memory
+        finally:
+            self._release_pools(clock)
         add_speedups(rows)
         settings = {"device": str(self.device), "warmup": self.warmup, "repeat": self.repeat,
                     "seed": self.seed, "timer": clock.kind, **self.settings}
@@ -166,10 +172,10 @@ class Bench:
                   advance: Callable[[str], None] | None) -> tuple[list[Row], str | None]:
         gen = torch.Generator().manual_seed(self.seed)
         sets = index_sets(case, gen, self.device)
-        initial = self._pools(case, REFERENCE)
+        initial = self._pools(case, "initial", REFERENCE, clock)
         for t in (*initial[0].all_buffers(), initial[1].buffer):
             random_fill(t, gen, on=self.device)  # made on the accelerator: GBs in ms
-        expected = self._pools(case, REFERENCE)
+        expected = self._pools(case, "expected", REFERENCE, clock)
         copy_state(initial, expected)
         ref_plan = self._plan(case, REFERENCE)
         Call(ref_plan, expected, sets, case).check_and_run(0)
@@ -181,14 +187,13 @@ class Bench:
             row = Row(case, name)
             try:
                 plan = self._plan(case, name)
-                pools = self._pools(case, name)
+                pools = self._pools(case, "measured", name, clock)
             except KVCoreError as exc:
                 row.status, row.reason = UNSUPPORTED, _first_line(exc)
             else:
                 row.backend_version = plan.backend_version
                 memory = memory or pools[1].memory.value
                 self._check_and_time(row, plan, pools, initial, expected, sets, clock)
-                del pools
             rows.append(row)
             if advance is not None:
                 advance(f"{name} {case.op.value} {case.kind.value}/{case.layout.value} "
@@ -227,7 +232,33 @@ class Bench:
                            self.device)
         return self.registry.resolve(req, backend)
 
-    def _pools(self, case: Case, backend: str) -> tuple[DevicePool, HostPool]:
+    def _pools(self, case: Case, role: str, backend: str,
+               clock: Clock) -> tuple[DevicePool, HostPool]:
+        """The pools of ``role`` for ``case``, shared by the consecutive cases (ops) of one
+        geometry; a new geometry releases the previous one's memory first. Every user copies
+        the state it needs into them, so sharing changes no result."""
+        if case.pool_key() != self._pool_key:
+            self._release_pools(clock)
+            self._pool_key = case.pool_key()
+        if (role, backend) not in self._pool_cache:
+            self._pool_cache[(role, backend)] = self._allocate(case, backend)
+        return self._pool_cache[(role, backend)]
+
+    def _release_pools(self, clock: Clock) -> None:
+        """Drop the cached pools and hand their memory back, pinned host memory included
+        (torch's host caching allocator keeps freed pinned blocks otherwise)."""
+        self._pool_cache.clear()
+        self._pool_key = None
+        if not has_streams(self.device):
+            return
+        clock.synchronize()
+        memory = getattr(torch.accelerator, "memory", None)
+        for release in ("empty_cache", "empty_host_cache"):
+            fn = getattr(memory, release, None)
+            if fn is not None:
+                fn()
+
+    def _allocate(self, case: Case, backend: str) -> tuple[DevicePool, HostPool]:
         dev = DevicePool.allocate(case.kind, case.num_layers, case.pool_tokens, case.head_num,
                                   case.head_dim, case.dtype, self.device, case.page_size)
         host = HostPool.allocate(case.kind, case.layout, case.num_layers, case.pool_tokens,

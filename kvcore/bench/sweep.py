@@ -95,6 +95,10 @@ class Case:
                 self.page_size, self.batch_pages, self.total_pages, self.num_layers,
                 self.element_dim)
 
+    def pool_key(self) -> tuple[object, ...]:
+        """The pools' geometry: cases with equal pool keys can share pools."""
+        return self.key()[1:]
+
     def facts(self) -> dict[str, object]:
         """JSON-able description of the case."""
         return {"op": self.op.value, "kind": self.kind.value, "layout": self.layout.value,
@@ -148,11 +152,15 @@ PRESETS: dict[str, Sweep] = {
 
 
 def expand(sweep: Sweep) -> list[Case]:
-    """Every case of the sweep, skipping (kind, layout) pairs that do not exist."""
+    """Every case of the sweep, skipping (kind, layout) pairs that do not exist.
+
+    The op varies fastest, so the cases of one pool geometry are consecutive and the runner
+    can reuse that geometry's pools for every op.
+    """
     cases = []
-    for op, kind, layout, dtype, ps, bp, tp, nl, ed in itertools.product(
-            sweep.ops, sweep.kinds, sweep.layouts, sweep.dtypes, sweep.page_sizes,
-            sweep.batch_pages, sweep.total_pages, sweep.num_layers, sweep.element_dims):
+    for kind, layout, dtype, ps, bp, tp, nl, ed, op in itertools.product(
+            sweep.kinds, sweep.layouts, sweep.dtypes, sweep.page_sizes, sweep.batch_pages,
+            sweep.total_pages, sweep.num_layers, sweep.element_dims, sweep.ops):
         if kind is Kind.MLA and layout is Layout.PAGE_HEAD:
             continue
         cases.append(Case(op, kind, layout, dtype, ps, bp, tp, nl, ed))
