@@ -170,10 +170,14 @@ def fail(env: Env, case: Case, rig: Rig | None, message: str) -> ConformanceFail
 
 
 def element_neq(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Elementwise "any byte differs" (NaN payloads compared as bytes), on the cpu."""
-    a8 = a.detach().cpu().contiguous().view(torch.uint8).view(*a.shape, a.element_size())
-    b8 = b.detach().cpu().contiguous().view(torch.uint8).view(*b.shape, b.element_size())
-    return (a8 != b8).any(-1)
+    """Elementwise "any byte differs" (NaN payloads compared as bytes), returned on the cpu.
+
+    Compared where ``a`` lives, so device buffers are compared on the device and only the
+    mask crosses to the host."""
+    a8 = a.detach().contiguous().view(torch.uint8).view(*a.shape, a.element_size())
+    b8 = b.detach().to(a.device).contiguous().view(torch.uint8).view(*b.shape,
+                                                                     b.element_size())
+    return (a8 != b8).any(-1).cpu()
 
 
 def _host_written(rig: Rig, layers: range) -> torch.Tensor:
