@@ -6,6 +6,8 @@ stream and load stream where the device has streams (synchronously on CPU). A wr
 acknowledged only after it completed; a failed transfer raises a typed error, releases the
 host pages it took and is never acknowledged.
 
+Write policies live in :mod:`kvcore.policy`, acks and load handles in :mod:`kvcore.handles`.
+
 Example::
 
     ctl = HiCacheController(device_pool, host_pool)          # resolves the best backend
@@ -19,10 +21,9 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import enum
 import functools
 import itertools
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
@@ -39,36 +40,14 @@ from kvcore.errors import (
     TensorMismatch,
     TransferFailed,
 )
+from kvcore.handles import LoadHandle, PendingWrite, WriteAck
 from kvcore.layout import Op, parse_enum
 from kvcore.plan import TransferPlan
+from kvcore.policy import CacheEvent, WritePolicy, should_back_up
 from kvcore.pools import DevicePool, HostPool
 from kvcore.registry import Registry, default_registry, make_request
 from kvcore.streams import current_stream, new_event, new_stream, on_stream
 from kvcore.validate import check_index_tensor
-
-
-class WritePolicy(str, enum.Enum):
-    """When a page is backed up to the host."""
-
-    WRITE_THROUGH = "write_through"  # on first insert
-    WRITE_THROUGH_SELECTIVE = "write_through_selective"  # on the second hit
-    WRITE_BACK = "write_back"  # on eviction from the device
-
-
-class CacheEvent(str, enum.Enum):
-    INSERT = "insert"
-    HIT = "hit"
-    EVICT = "evict"
-
-
-def should_back_up(policy: WritePolicy, event: CacheEvent, hits: int,
-                   selective_threshold: int = 2) -> bool:
-    """The write policy's rule, in one place."""
-    if policy is WritePolicy.WRITE_THROUGH:
-        return event is CacheEvent.INSERT
-    if policy is WritePolicy.WRITE_THROUGH_SELECTIVE:
-        return event is CacheEvent.HIT and hits == selective_threshold
-    return event is CacheEvent.EVICT
 
 
 @attrs.frozen
@@ -77,90 +56,6 @@ class PoolPair:
 
     device: DevicePool
     host: HostPool
-
-
-@attrs.frozen
-class WriteAck:
-    """A completed write-back: these device pages are now backed up at ``host_indices``."""
-
-    id: int
-    host_indices: torch.Tensor
-    device_indices: torch.Tensor
-
-
-@attrs.define
-class _PendingWrite:
-    ack: WriteAck
-    event: Any
-    completions: list[Any]
-    owns_host: bool
-
-
-class LoadHandle:
-    """A queued load. ``wait_layer(i)`` makes the current stream wait for layer ``i`` only.
-
-    A failed load is never reported as landed: once a layer's transfer is known to have
-    failed, every later ``wait_layer``/``wait``/``done`` raises the same TransferFailed.
-    """
-
-    def __init__(self, events: list[Any], completions: list[list[Any]], device: torch.device,
-                 on_failure: Callable[[BaseException], None]) -> None:
-        self._events = events
-        self._completions: list[list[Any] | None] = list(completions)
-        self._device = device
-        self._on_failure = on_failure
-        self._failure: TransferFailed | None = None
-
-    @property
-    def num_layers(self) -> int:
-        return len(self._events)
-
-    def wait_layer(self, layer: int) -> None:
-        """Order the current stream after layer ``layer``'s load (returns at once on GPU).
-
-        On a device without streams the layer has already run, so its outcome is checked
-        here and a failure raises TransferFailed.
-        """
-        if not isinstance(layer, int) or not 0 <= layer < len(self._events):
-            raise InvalidArgument("layer", f"an int in [0, {len(self._events)})", repr(layer))
-        self._raise_failure()
-        event = self._events[layer]
-        if event is None:
-            self._check([layer])
-        else:
-            current_stream(self._device).wait_event(event)
-
-    def done(self) -> bool:
-        """True when every layer has landed (raises TransferFailed if one failed)."""
-        self._raise_failure()
-        finished = all(e is None or e.query() for e in self._events)
-        if finished:
-            self._check(range(len(self._events)))
-        return finished
-
-    def wait(self) -> None:
-        """Block the host until every layer has landed (raises TransferFailed on failure)."""
-        self._raise_failure()
-        for e in self._events:
-            if e is not None:
-                e.synchronize()
-        self._check(range(len(self._events)))
-
-    def _raise_failure(self) -> None:
-        if self._failure is not None:
-            raise self._failure
-
-    def _check(self, layers: Iterable[int]) -> None:
-        for layer in layers:
-            completions, self._completions[layer] = self._completions[layer], None
-            try:
-                for c in completions or ():
-                    c.check()
-            except Exception as exc:
-                self._on_failure(exc)
-                self._failure = TransferFailed(
-                    f"load failed at completion (layer {layer}): {exc}", exc)
-                raise self._failure from exc
 
 
 def _drain_stream(stream: Any) -> None:
@@ -239,7 +134,7 @@ class HiCacheController:
             agree_on_plans(self.plan_facts(), process_group, agreement_timeout_s)
         self.write_stream = new_stream(self.device)
         self.load_stream = new_stream(self.device)
-        self._pending: collections.deque[_PendingWrite] = collections.deque()
+        self._pending: collections.deque[PendingWrite] = collections.deque()
         self._ids = itertools.count()
         self._unusable: BaseException | None = None
         self.completed_writes = 0
@@ -289,7 +184,7 @@ class HiCacheController:
                 _drain_stream(self.write_stream)
                 self.allocator.free(h)
             raise self._failure("write-back", exc) from exc
-        self._pending.append(_PendingWrite(ack, event, completions, owns))
+        self._pending.append(PendingWrite(ack, event, completions, owns))
         return ack
 
     def on_cache_event(self, event: CacheEvent | str, device_indices: torch.Tensor,
@@ -350,7 +245,7 @@ class HiCacheController:
     def _requeue_done(self, done: list[WriteAck]) -> None:
         """Completed acks drained before a failure are reported by the next poll."""
         for ack in reversed(done):
-            self._pending.appendleft(_PendingWrite(ack, None, [], False))
+            self._pending.appendleft(PendingWrite(ack, None, [], False))
 
     def _abandon_pending(self) -> None:
         """After a device fault nothing queued can be trusted: release it all and refuse."""
@@ -379,7 +274,7 @@ class HiCacheController:
         keep = min_across_ranks(self.completed_writes + len(done), self.process_group)
         keep -= self.completed_writes
         for ack in reversed(done[keep:]):  # not yet done everywhere: report them later
-            self._pending.appendleft(_PendingWrite(ack, None, [], False))
+            self._pending.appendleft(PendingWrite(ack, None, [], False))
         return done[:keep]
 
     # -- load ------------------------------------------------------------------------------
@@ -515,3 +410,7 @@ def _check_plan_against_pools(plan: TransferPlan, m: PoolPair) -> None:
         if not page_contiguous(m.host.geometry):
             raise TensorMismatch("host_pool", f"contiguous host pages for {plan.context} "
                                  f"variant {support.variant}", "a layout whose pages are split")
+
+
+__all__ = ["CacheEvent", "HiCacheController", "LoadHandle", "PoolPair", "WriteAck",
+           "WritePolicy", "should_back_up"]
