@@ -12,9 +12,10 @@ from typing import Any, Protocol
 import torch
 
 from kvcore.backend import TransferJob
-from kvcore.capabilities import IndexSpec, OpSupport, Residency, op_support
+from kvcore.capabilities import HostMemory, IndexSpec, OpSupport, Residency, op_support
 from kvcore.errors import InvalidArgument
 from kvcore.layout import ByteStrides, Kind, Layout, Op
+from kvcore.streams import current_stream
 
 DEVICE_TO_HOST = 0
 HOST_TO_DEVICE = 1
@@ -51,23 +52,34 @@ def is_64(t: torch.Tensor) -> int:
 
 
 class NativeBackend:
-    """Runs jobs through a native library; subclasses say how to get streams and memory."""
+    """Runs jobs through a native library; a subclass builds the library and names the raw
+    stream handle of its runtime."""
 
     #: the variant name that selects the staged write-back
     STAGED = "staged"
 
-    def __init__(self, device: torch.device, library: NativeLibrary, make_layout: Any,
+    def __init__(self, device: torch.device, library: NativeLibrary,
                  staging_bytes: int = DEFAULT_STAGING_BYTES, use_batched: bool = True) -> None:
         self.device = device
         self.lib = library
-        self.make_layout = make_layout
         self.staging_bytes = staging_bytes
         self.use_batched = use_batched
         self._staging: dict[int, torch.Tensor] = {}
 
-    def stream_handle(self, stream: Any) -> int:
-        """The raw runtime stream of a torch stream (0: the default stream)."""
+    def raw_stream(self, stream: Any) -> int:
+        """The runtime's handle of a torch stream (0: the default stream)."""
         raise NotImplementedError
+
+    def stream_handle(self, stream: Any) -> int:
+        """The raw handle of ``stream``, or of the device's current stream when None."""
+        return self.raw_stream(stream if stream is not None else current_stream(self.device))
+
+    def allocate_host(self, shape: tuple[int, ...],
+                      dtype: torch.dtype) -> tuple[torch.Tensor, HostMemory]:
+        """Pinned memory from torch's allocator (cudaHostAlloc / hipHostMalloc): its device
+        address equals its host address, which is what the kernels dereference. Memory
+        registered after allocation maps at another device address and is never used."""
+        return torch.empty(shape, dtype=dtype, pin_memory=True), HostMemory.PINNED
 
     def staging(self, stream: int) -> torch.Tensor:
         """The staging buffer of ``stream``: one per stream, so streams never share one."""
@@ -80,7 +92,7 @@ class NativeBackend:
         pool = job.device_pool
         if pool.device != self.device:
             raise InvalidArgument("device_pool", f"tensors on {self.device}", str(pool.device))
-        layout = self.make_layout(layout_fields(job.host_strides))
+        layout = layout_fields(job.host_strides)  # the binding builds the C struct
         k_ptrs = pool.k_ptrs.data_ptr()
         v_ptrs = pool.v_ptrs.data_ptr() if pool.v_ptrs is not None else 0
         stream = self.stream_handle(job.stream)

@@ -1,0 +1,83 @@
+"""kvcore.native turns a placed job into the native ABI's arguments (no GPU needed)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from kvcore.layout import Op
+from kvcore.native import DEVICE_TO_HOST, HOST_TO_DEVICE, NativeBackend, layout_fields
+from kvcore.native_abi import make_layout
+from kvcore.pools import DevicePool, HostPool
+
+
+class RecordingLibrary:
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, tuple[Any, ...]]] = []
+
+    def transfer_direct(self, *args: Any) -> None:
+        self.calls.append(("direct", args))
+
+    def write_back_staged(self, *args: Any) -> None:
+        self.calls.append(("staged", args))
+
+
+class CpuNative(NativeBackend):
+    def raw_stream(self, stream: Any) -> int:
+        assert stream is None  # the CPU has no streams
+        return 0
+
+
+def _setup(layout: str) -> tuple[CpuNative, RecordingLibrary, DevicePool, HostPool]:
+    lib = RecordingLibrary()
+    backend = CpuNative(torch.device("cpu"), lib, staging_bytes=1 << 20)  # type: ignore[arg-type]
+    dev = DevicePool.allocate("mha", 3, 64, 2, 64, torch.bfloat16, "cpu", 16)
+    host = HostPool.wrap(torch.empty(_shape(layout), dtype=torch.bfloat16), "mha", layout, 3, 2,
+                         64, 16)
+    return backend, lib, dev, host
+
+
+def _shape(layout: str) -> tuple[int, ...]:
+    from kvcore.layout import Geometry, Kind, Layout, host_shape
+
+    return host_shape(Geometry(Kind.MHA, Layout(layout), 3, 64, 2, 64, 16))
+
+
+def _run(backend: CpuNative, dev: DevicePool, host: HostPool, op: Op, variant: str,
+         layer: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    from kvcore.backend import TransferJob
+    from kvcore.native import native_ops
+
+    support = next(s for s in native_ops() if s.op is op and s.variant == variant)
+    h = torch.arange(16, 32, dtype=torch.int64)
+    d = torch.arange(16, dtype=torch.int32)
+    backend.run(TransferJob(op=op, support=support, device_pool=dev, host_buffer=host.buffer,
+                            host_geometry=host.geometry, host_strides=host.strides,
+                            host_indices=h, device_indices=d, layer=layer))
+    return h, d
+
+
+def test_staged_write_back_passes_cpu_host_indices_a_staging_buffer_and_the_layout() -> None:
+    backend, lib, dev, host = _setup("page_first")
+    host_idx, dev_idx = _run(backend, dev, host, Op.WRITE_BACK, "staged")
+    (name, args), = lib.calls
+    assert name == "staged"
+    k, v, layers, base, layout, h, d, d64, n, staging, staging_bytes, batched, stream = args
+    assert (k, v, layers, base) == (dev.k_ptrs.data_ptr(), dev.v_ptrs.data_ptr(), 3,
+                                    host.buffer.data_ptr())
+    assert (h, d) == (host_idx.data_ptr(), dev_idx.data_ptr())
+    assert make_layout(layout).as_dict() == layout_fields(host.strides)
+    assert (d64, n, staging_bytes, batched, stream) == (0, 16, 1 << 20, 1, 0)
+    assert staging == backend.staging(0).data_ptr()
+
+
+def test_direct_load_of_one_layer_passes_that_layer_and_both_index_widths() -> None:
+    backend, lib, dev, host = _setup("layer_first")
+    _run(backend, dev, host, Op.LOAD_LAYER, "direct", layer=2)
+    _run(backend, dev, host, Op.WRITE_BACK, "direct")
+    (n1, a1), (n2, a2) = lib.calls
+    assert (n1, a1[0], a1[3], a1[4]) == ("direct", HOST_TO_DEVICE, 2, 1)
+    assert (n2, a2[0], a2[3], a2[4]) == ("direct", DEVICE_TO_HOST, 0, 3)
+    assert (a1[8], a1[10], a1[11]) == (1, 0, 16)  # host int64, device int32, 16 tokens
+
