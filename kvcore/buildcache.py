@@ -203,3 +203,13 @@ def run_compiler(cmd: list[str], what: str) -> str:
         tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-40:])
         raise BuildError(f"{what} failed (exit {proc.returncode}):\n  {' '.join(cmd)}\n{tail}")
     return proc.stdout + proc.stderr
+
+
+def missing_executable(where: str, path: Path | None) -> str | None:
+    """Why a compiler candidate found through ``where`` is unusable, for the "looked in" list
+    of a not-found error; None when ``path`` is an executable file."""
+    if path is None:
+        return f"{where} (not set)" if where.startswith("$") else f"{where} (none)"
+    if not (path.is_file() and os.access(path, os.X_OK)):
+        return f"{where} ({path}: not found)"
+    return None

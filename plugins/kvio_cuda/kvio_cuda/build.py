@@ -15,7 +15,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvcore.buildcache import build_cached, files_digest, run_compiler
+from kvcore.buildcache import build_cached, files_digest, missing_executable, run_compiler
 from kvcore.errors import BuildError
 
 __all__ = [
@@ -108,11 +108,9 @@ def find_nvcc() -> Nvcc:
     """
     looked: list[str] = []
     for where, path in _candidates():
-        if path is None:
-            looked.append(f"{where} (not set)" if where.startswith("$") else f"{where} (none)")
-            continue
-        if not (path.is_file() and os.access(path, os.X_OK)):
-            looked.append(f"{where} ({path}: not found)")
+        why = missing_executable(where, path)
+        if why is not None:
+            looked.append(why)
             continue
         try:
             proc = subprocess.run([str(path), "--version"], capture_output=True, text=True,

@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvcore.buildcache import files_digest, run_compiler
+from kvcore.buildcache import files_digest, missing_executable, run_compiler
 from kvcore.errors import BuildError
 
 __all__ = [
@@ -195,11 +195,9 @@ def find_toolchain(env: Mapping[str, str] | None = None) -> RocmToolchain:
     env = os.environ if env is None else env
     looked: list[str] = []
     for where, kind, path in _candidates(env):
-        if path is None:
-            looked.append(f"{where} (not set)" if where.startswith("$") else f"{where} (none)")
-            continue
-        if not (path.is_file() and os.access(path, os.X_OK)):
-            looked.append(f"{where} ({path}: not found)")
+        why = missing_executable(where, path)
+        if why is not None:
+            looked.append(why)
             continue
         root = _rocm_root_of(path, env)
         if root is None:
