@@ -248,7 +248,7 @@ class HostPool:
 
 def _size_from_shape(shape: tuple[int, ...], kind: Kind, layout: Layout, page_size: int) -> int:
     body = shape[1:] if kind is Kind.MHA else shape
-    if layout in (Layout.LAYER_FIRST,):
+    if layout is Layout.LAYER_FIRST:
         return body[1]
     if layout is Layout.PAGE_FIRST:
         return body[0]

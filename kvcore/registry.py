@@ -48,9 +48,8 @@ from kvcore.errors import (
     KVCoreError,
     NoBackend,
     PluginLoadError,
-    UnsupportedCombination,
 )
-from kvcore.layout import Kind, Layout, Op, check_combination
+from kvcore.layout import Kind, Layout, Op, check_combination, parse_enum
 from kvcore.plan import TransferPlan, TransferRequest
 
 try:  # the backport is a declared dependency; the stdlib module serves where it is absent
@@ -98,6 +97,7 @@ class Resolution:
     variants: tuple[OpSupport, ...]
     reasons: dict[str, str]
     order: tuple[str, ...]
+    forced: str | None = None  # the backend asked for by name (argument or KVCORE_BACKEND)
 
 
 def _strict(environ: dict[str, str] | os._Environ[str]) -> bool:
@@ -272,7 +272,7 @@ class Registry:
             chosen, variants = rec, fits
         for broken in self.broken():
             reasons[f"plugin:{broken.name}"] = broken.reason
-        return Resolution(request, chosen, variants, reasons, tuple(order))
+        return Resolution(request, chosen, variants, reasons, tuple(order), forced)
 
     def _refusal(self, rec: Registered,
                  request: TransferRequest) -> tuple[str | None, tuple[OpSupport, ...]]:
@@ -297,13 +297,12 @@ class Registry:
         """The plan for ``request``: explicit backend > KVCORE_BACKEND > priority order."""
         res = self.explain(request, backend)
         if res.chosen is None:
-            forced = backend or self._environ.get("KVCORE_BACKEND")
-            if forced:
-                avail = self.availability(forced)
+            if res.forced:
+                avail = self.availability(res.forced)
                 if not avail:
                     raise BackendUnavailable(
-                        f"backend {forced!r} was requested for {request} but is unavailable: "
-                        f"{avail.reason}")  # type: ignore[union-attr]
+                        f"backend {res.forced!r} was requested for {request} but is "
+                        f"unavailable: {avail.reason}")  # type: ignore[union-attr]
             raise NoBackend(str(request), res.reasons)
         name = res.chosen.name
         caps = res.chosen.spec.capabilities
@@ -335,8 +334,6 @@ def reset_default_registry() -> None:
 def make_request(op: Op | str, kind: Kind | str, layout: Layout | str, dtype: torch.dtype,
                  element_bytes: int, device: torch.device | str) -> TransferRequest:
     """Build a request from loose values, raising InvalidArgument / UnsupportedCombination."""
-    from kvcore.layout import parse_enum
-
     req = TransferRequest(
         op=parse_enum(Op, op, "op"),  # type: ignore[arg-type]
         kind=parse_enum(Kind, kind, "kind"),  # type: ignore[arg-type]
@@ -344,8 +341,5 @@ def make_request(op: Op | str, kind: Kind | str, layout: Layout | str, dtype: to
         dtype=dtype, element_bytes=element_bytes, device=torch.device(device))
     if element_bytes <= 0:
         raise InvalidArgument("element_bytes", "a positive int", str(element_bytes))
-    try:
-        check_combination(req.op, req.kind, req.layout)
-    except UnsupportedCombination:
-        raise
+    check_combination(req.op, req.kind, req.layout)
     return req
