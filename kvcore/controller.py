@@ -175,16 +175,15 @@ class HiCacheController:
         h = self.allocator.alloc(d.numel()) if owns else check_index_tensor(
             "host_indices", host_indices, "write")
         ack = WriteAck(next(self._ids), h, d)
-        completions: list[Any] = []
         try:
-            event = self._enqueue(Op.WRITE_BACK, self.write_stream, h, d, None, completions)
+            events, completions = self._submit(Op.WRITE_BACK, self.write_stream, h, d, [None])
         except BaseException as exc:
             if owns:
                 # an earlier pool-group member's copy may still be writing these host slots
                 _drain_stream(self.write_stream)
                 self.allocator.free(h)
             raise self._failure("write-back", exc) from exc
-        self._pending.append(PendingWrite(ack, event, completions, owns))
+        self._pending.append(PendingWrite(ack, events[0], completions[0], owns))
         return ack
 
     def on_cache_event(self, event: CacheEvent | str, device_indices: torch.Tensor,
@@ -290,20 +289,13 @@ class HiCacheController:
         h = check_index_tensor("host_indices", host_indices, "load")
         d = check_index_tensor("device_indices", device_indices, "load")
         n_layers = self.members[0].host.geometry.num_layers
-        events: list[Any] = []
-        completions: list[list[Any]] = []
         try:
             if all_layers:
-                shared: list[Any] = []
-                ev = self._enqueue(Op.LOAD_ALL, self.load_stream, h, d, None, shared)
-                events = [ev] * n_layers
-                completions = [shared] * n_layers
+                events, completions = self._submit(Op.LOAD_ALL, self.load_stream, h, d, [None])
+                events, completions = events * n_layers, completions * n_layers
             else:
-                self._check_all(Op.LOAD_LAYER, h, d)
-                for layer in range(n_layers):
-                    completions.append([])
-                    events.append(self._enqueue(Op.LOAD_LAYER, self.load_stream, h, d, layer,
-                                                completions[-1], checked=True))
+                events, completions = self._submit(Op.LOAD_LAYER, self.load_stream, h, d,
+                                                   list(range(n_layers)))
         except BaseException as exc:
             raise self._failure("load", exc) from exc
         return LoadHandle(events, completions, self.device, self._record_fault)
@@ -317,28 +309,41 @@ class HiCacheController:
         for i, m in enumerate(self.members):
             check_indices(self.plans[(i, op)], m.device, m.host, h, d, layer)
 
-    def _enqueue(self, op: Op, stream: Any, h: torch.Tensor, d: torch.Tensor,
-                 layer: int | None, completions: list[Any], checked: bool = False) -> Any:
-        if not checked:
-            self._check_all(op, h, d, layer)
-        producer = current_stream(self.device)
+    def _submit(self, op: Op, stream: Any, h: torch.Tensor, d: torch.Tensor,
+                layers: list[int | None]) -> tuple[list[Any], list[list[Any]]]:
+        """Check the indices, order ``stream`` after the caller's stream, place the indices
+        once per pool-group member, then enqueue ``op`` for each of ``layers``.
+
+        Returns one completion event and one list of backend completions per layer. Placing
+        once keeps a per-layer load from copying its indices again for every layer.
+        """
+        self._check_all(op, h, d, layers[0])
         if stream is not None:
-            stream.wait_stream(producer)
+            stream.wait_stream(current_stream(self.device))
             # the index tensors were made on the caller's stream and are used on ours
             for t in (h, d):
                 if t.device.type != "cpu":
                     t.record_stream(stream)
+        events: list[Any] = []
+        completions: list[list[Any]] = []
         with on_stream(stream):
+            placed = []
             for i, m in enumerate(self.members):
-                plan = self.plans[(i, op)]
-                result = plan.transfer(m.device, m.host, h, d, layer=layer, stream=stream,
-                                       check=False)
-                if result is not None:
-                    completions.append(result)
-        event = new_event(self.device)
-        if event is not None:
-            event.record(stream)
-        return event
+                plan, g = self.plans[(i, op)], m.host.geometry
+                placed.append(plan.place(h, d, plan.page_bytes(g.page_size, g.num_layers)))
+            for layer in layers:
+                done = []
+                for i, m in enumerate(self.members):
+                    result = self.plans[(i, op)].run(placed[i], m.device, m.host, layer=layer,
+                                                     stream=stream)
+                    if result is not None:
+                        done.append(result)
+                event = new_event(self.device)
+                if event is not None:
+                    event.record(stream)
+                events.append(event)
+                completions.append(done)
+        return events, completions
 
     def _failure(self, what: str, exc: BaseException) -> BaseException:
         if isinstance(exc, (InvalidArgument, ControllerUnusable)) or not isinstance(
