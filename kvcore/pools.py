@@ -106,6 +106,12 @@ class DevicePool:
     def all_buffers(self) -> list[torch.Tensor]:
         return self.k_buffers + (self.v_buffers or [])
 
+    def clone(self) -> DevicePool:
+        """A pool of the same geometry on new tensors holding a copy of this one's data."""
+        return DevicePool(self.kind, [t.clone() for t in self.k_buffers],
+                          [t.clone() for t in self.v_buffers] if self.v_buffers is not None
+                          else None, self.page_size)
+
 
 @attrs.frozen
 class AllocatorState:

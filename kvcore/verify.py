@@ -91,11 +91,7 @@ def verify_plans(ctl: HiCacheController) -> None:
                 outcome = (host.buffer, ref_host.buffer)
             else:
                 target = _scratch_device(m.device, g, gen)
-                ref_target = DevicePool.allocate(g.kind, g.num_layers, 2 * g.page_size,
-                                                 g.head_num, g.head_dim, m.device.dtype,
-                                                 m.device.device, g.page_size)
-                for a, b in zip(ref_target.all_buffers(), target.all_buffers(), strict=True):
-                    a.copy_(b)
+                ref_target = target.clone()
                 layers = range(g.num_layers) if op is Op.LOAD_LAYER else [None]
                 for layer in layers:
                     plan.transfer(target, host, h, d, layer=layer)

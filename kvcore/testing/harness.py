@@ -121,10 +121,7 @@ def build(env: Env, case: Case, backend: str | None = None,
 
 def twin(env: Env, rig: Rig) -> Rig:
     """A copy of ``rig``'s pools (host memory from the reference) for the oracle to run on."""
-    dev = DevicePool.wrap(rig.case.kind, [t.clone() for t in rig.device_pool.k_buffers],
-                          [t.clone() for t in rig.device_pool.v_buffers]
-                          if rig.device_pool.v_buffers is not None else None,
-                          rig.case.page_size)
+    dev = rig.device_pool.clone()
     host = allocate_host(env, REFERENCE, rig.geometry, rig.case.dtype)
     host.buffer.copy_(rig.host_before)
     return attrs.evolve(rig, device_pool=dev, host_pool=host)
