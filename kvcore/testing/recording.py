@@ -33,6 +33,9 @@ class Received:
     device_device: torch.device
     device_dtype: torch.dtype
     pool_device: torch.device
+    kind: str
+    layout: str
+    layer: int | None
 
     def placement_errors(self) -> list[str]:
         """Disagreements between where the indices were and what the variant declared."""
@@ -58,11 +61,12 @@ class Received:
 
 
 class RecordingBackend:
-    """Passes every call to ``inner`` and remembers what each ``run()`` received."""
+    """Passes every call to ``inner`` and remembers what each ``run()`` received (in
+    ``received``, which may be a list the caller keeps)."""
 
-    def __init__(self, inner: TransferBackend) -> None:
+    def __init__(self, inner: TransferBackend, received: list[Received] | None = None) -> None:
         self.inner = inner
-        self.received: list[Received] = []
+        self.received: list[Received] = [] if received is None else received
 
     def allocate_host(self, shape: tuple[int, ...],
                       dtype: torch.dtype) -> tuple[torch.Tensor, HostMemory]:
@@ -73,7 +77,8 @@ class RecordingBackend:
             op=job.op.value, variant=job.support.variant, host_index=job.support.host_index,
             device_index=job.support.device_index, host_device=job.host_indices.device,
             host_dtype=job.host_indices.dtype, device_device=job.device_indices.device,
-            device_dtype=job.device_indices.dtype, pool_device=job.device_pool.device))
+            device_dtype=job.device_indices.dtype, pool_device=job.device_pool.device,
+            kind=job.kind.value, layout=job.layout.value, layer=job.layer))
         return self.inner.run(job)
 
 

@@ -6,11 +6,9 @@ import textwrap
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-import attrs
 import torch
 from kvio_reference.backend import ReferenceBackend
 
-from kvcore.backend import TransferJob
 from kvcore.capabilities import (
     API_VERSION,
     Availability,
@@ -25,6 +23,7 @@ from kvcore.capabilities import (
 from kvcore.layout import Kind, Layout, Op, layouts_for
 from kvcore.pools import DevicePool, HostPool
 from kvcore.registry import Registry
+from kvcore.testing.recording import Received, RecordingBackend
 
 #: Every (kind, layout) pair that exists.
 KIND_LAYOUTS = [(k, lay) for k in Kind for lay in layouts_for(k)]
@@ -92,40 +91,6 @@ def assert_unchanged(dev: DevicePool, host: HostPool, before: tuple) -> None:
 # -- fake backends ---------------------------------------------------------------------------
 
 
-@attrs.frozen
-class Received:
-    """What a fake backend's run() was handed."""
-
-    op: Op
-    kind: Kind
-    layout: Layout
-    variant: str
-    layer: int | None
-    host_device: torch.device
-    host_dtype: torch.dtype
-    device_device: torch.device
-    device_dtype: torch.dtype
-
-
-class DelegatingBackend:
-    """Records every job it gets, then lets the reference backend do the transfer."""
-
-    def __init__(self, device: torch.device, received: list[Received]) -> None:
-        self._reference = ReferenceBackend(device)
-        self.received = received
-
-    def allocate_host(self, shape: tuple[int, ...],
-                      dtype: torch.dtype) -> tuple[torch.Tensor, HostMemory]:
-        return self._reference.allocate_host(shape, dtype)
-
-    def run(self, job: TransferJob) -> None:
-        self.received.append(Received(
-            job.op, job.kind, job.layout, job.support.variant, job.layer,
-            job.host_indices.device, job.host_indices.dtype,
-            job.device_indices.device, job.device_indices.dtype))
-        self._reference.run(job)
-
-
 def all_ops(layouts: Iterable[Layout] = tuple(Layout), kinds: Iterable[Kind] = tuple(Kind),
             **kw: object) -> tuple[OpSupport, ...]:
     """One default variant per op for ``kinds`` x ``layouts``, reference-like residency."""
@@ -144,7 +109,7 @@ def fake_spec(name: str, priority: int = 10, ops: tuple[OpSupport, ...] | None =
                         priority=priority, probe=probe, ops=all_ops() if ops is None else ops,
                         host_memory=host_memory, device_types=device_types)
     return BackendSpec(capabilities=caps,
-                       factory=lambda device: DelegatingBackend(device, log))
+                       factory=lambda device: RecordingBackend(ReferenceBackend(device), log))
 
 
 def reference_only() -> Registry:

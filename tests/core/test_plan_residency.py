@@ -98,7 +98,7 @@ def test_run_receives_what_the_entry_declares(resid: tuple[Registry, list[Receiv
     assert [r.op for r in received] == ops
     assert [r.layer for r in received] == [None, *range(NUM_LAYERS), None]
     for r in received:
-        host_spec, dev_spec = DECLARED[(r.op, layout, variant)]
+        host_spec, dev_spec = DECLARED[(Op(r.op), layout, variant)]
         assert (r.kind, r.layout, r.variant) == (kind, layout, variant)
         assert r.host_device == residency_device(host_spec.residency, dev.device)
         assert r.device_device == residency_device(dev_spec.residency, dev.device)
