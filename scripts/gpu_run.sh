@@ -3,11 +3,13 @@
 # CUDA torch is kept), build the kernels, run the GPU tests and the benchmarks, and write
 # every result into one folder ($OUT, default ./gpu-results), packed as results.tar.gz.
 #
-#   scripts/gpu_run.sh [STAGE ...]     stages: setup tests replay multi bench seed conformance check
-#                                      (default: all, in that order)
+#   scripts/gpu_run.sh [STAGE ...]     stages: setup tests replay multi bench seed check
+#                                      check_triton (default: all, in that order)
 #
 # DEADLINE_S bounds the whole run (each step's limit shrinks to fit), so the results are
-# always packed; SEED_ARGS / SEED_LAYOUTS / CONFORMANCE_S narrow the long steps.
+# always packed. The seed table may take longer than one run: SEED_ARGS narrows it and
+# SEED_TAG names its files (bench_seed_TAG.json), and `kvio bench --merge` joins the runs.
+# The seed bench stops starting cases SEED_MARGIN_S (default 60) before the deadline.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-results}
@@ -16,7 +18,7 @@ mkdir -p "$R"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 PY=${PYTHON:-python3}
 KVIO=("$PY" -m kvcore.cli)
-STAGES=("$@"); [ ${#STAGES[@]} -gt 0 ] || STAGES=(setup tests replay multi bench seed conformance check)
+STAGES=("$@"); [ ${#STAGES[@]} -gt 0 ] || STAGES=(setup tests replay multi bench seed check check_triton)
 status=0
 step() {  # step NAME SECONDS CMD...: run with a time limit, log to $R/NAME.log
     local name=$1 limit=$2; shift 2
@@ -42,14 +44,13 @@ setup)
 tests)
     step gpu_tests 60 $PY -m pytest -q -rs tests/gpu
     ;;
-conformance)
-    step conformance_cuda ${CONFORMANCE_S:-300} $PY -m pytest -q -rs -p kvcore.testing.plugin --kvio-backend cuda --kvio-full
-    ;;
 bench)
     step bench_single_page 60 "${KVIO[@]}" bench --preset single-page --backend cuda --backend reference --markdown "$R/bench_single_page.md" --json "$R/bench_single_page.json"
     ;;
 seed)
-    step bench_seed ${SEED_S:-600} "${KVIO[@]}" bench --preset seed --layout ${SEED_LAYOUTS:-page_first,layer_first} ${SEED_ARGS:-} --backend cuda --backend reference --warmup 1 --repeat 5 --markdown "$R/bench_seed.md" --json "$R/bench_seed.json" --plot "$R/bench_seed.png"
+    tag=${SEED_TAG:-all}
+    budget=$(( ${DEADLINE_S:-100000} - SECONDS - ${SEED_MARGIN_S:-60} ))
+    step "bench_seed_$tag" ${SEED_S:-3600} "${KVIO[@]}" bench --preset seed --layout ${SEED_LAYOUTS:-page_first,layer_first} ${SEED_ARGS:-} --backend cuda --backend reference --warmup 1 --repeat 5 --time-limit "$budget" --markdown "$R/bench_seed_$tag.md" --json "$R/bench_seed_$tag.json"
     ;;
 replay)
     step replay_cuda 120 "${KVIO[@]}" replay --device cuda --min-transfers 1000000 --concurrency 128 --sessions 1024 --log "$R/replay_cuda.jsonl"
@@ -57,8 +58,10 @@ replay)
 multi)
     step multi_gpu_n1 90 $PY scripts/multi_gpu_bench.py --nprocs 1 --json "$R/multi_gpu_bench_h200_n1.json" --markdown "$R/multi_gpu_bench_h200_n1.md"
     ;;
-check)
-    step check_cuda 300 "${KVIO[@]}" check cuda
+check)  # the conformance suite, full size, against the reference
+    step check_cuda ${CHECK_S:-400} "${KVIO[@]}" check cuda
+    ;;
+check_triton)
     step check_triton 300 "${KVIO[@]}" check triton
     ;;
 *) echo "unknown stage $stage"; exit 2;;

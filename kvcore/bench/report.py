@@ -66,6 +66,8 @@ def header_lines(result: BenchResult) -> list[str]:
         f"{m.get('host_memory') or '-'} (pinned: {'yes' if m.get('pinned') else 'no'})",
         f"backends: {names}  timer: {s.get('timer')}, warm-up {s.get('warmup')}, "
         f"repeat {s.get('repeat')} (median)  elapsed {result.elapsed_s:.1f} s",
+        *([f"INCOMPLETE: stopped early, {result.not_run} case(s) not run"]
+          if result.not_run else []),
     ]
 
 

@@ -7,8 +7,9 @@ registered backend can be measured. Per case:
 2. for each backend: allocate its own pools (its host allocator), copy the initial state in,
    run the timed call on the first index set and compare every buffer with the reference's
    result byte for byte; a mismatch or an error marks the row failed and it is not timed;
-3. time the backend, rotating through disjoint index sets; after the first backend, measure
-   the contiguous-copy ceiling for the case's direction and byte count (cached).
+3. time the backend, rotating through disjoint index sets; after the first backend and after
+   the last, measure the contiguous-copy ceiling for the case's direction and byte count
+   (the fastest measurement of that size in the run is the ceiling, see ``ceiling.py``).
 """
 
 from __future__ import annotations
@@ -99,10 +100,12 @@ class BenchResult:
     settings: dict[str, Any]
     started: str
     elapsed_s: float = 0.0
+    #: cases the run never reached because it was interrupted (0 for a complete run)
+    not_run: int = 0
 
     def facts(self) -> dict[str, Any]:
         return {"schema": SCHEMA_ID, "started": self.started, "elapsed_s": self.elapsed_s,
-                "machine": self.machine, "settings": self.settings,
+                "not_run": self.not_run, "machine": self.machine, "settings": self.settings,
                 "backends": self.backends, "rows": [r.facts() for r in self.rows]}
 
 
@@ -118,6 +121,8 @@ class Bench:
     repeat: int = 5
     seed: int = 0
     settings: dict[str, Any] = attrs.field(factory=dict)
+    #: start no new case after this many seconds (None: no limit); see ``BenchResult.not_run``
+    time_limit_s: float | None = None
     _pool_cache: dict[tuple[str, str], tuple[DevicePool, HostPool]] = attrs.field(
         factory=dict, init=False)
     _pool_key: tuple[object, ...] | None = attrs.field(default=None, init=False)
@@ -135,7 +140,12 @@ class Bench:
         return sorted(names, key=lambda n: n != REFERENCE)
 
     def run(self, advance: Callable[[str], None] | None = None) -> BenchResult:
-        """Measure every case with every backend; ``advance(label)`` after each row."""
+        """Measure every case with every backend; ``advance(label)`` after each row.
+
+        A ``KeyboardInterrupt`` (which ``kvio bench`` also raises on SIGTERM) stops the run
+        between rows; the rows finished so far are returned, with ``not_run`` counting the
+        cases left, so a run cut short by a time limit still reports what it measured.
+        """
         t0 = time.perf_counter()
         started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
         names = self.backend_names()
@@ -144,20 +154,31 @@ class Bench:
         ceiling = Ceiling(clock, ref_instance.allocate_host)  # type: ignore[attr-defined]
         rows: list[Row] = []
         host_memory: str | None = None
+        done = 0
         try:
             for case in self.cases:
+                if self.time_limit_s is not None and time.perf_counter() - t0 > self.time_limit_s:
+                    break
                 case_rows, memory = self._run_case(case, names, clock, ceiling, advance)
                 rows += case_rows
                 host_memory = host_memory or memory
+                done += 1
+        except KeyboardInterrupt:
+            pass
         finally:
             self._release_pools(clock)
+        for row in rows:  # every row of a size divides by the fastest copy of that size
+            if row.timing is not None:
+                row.ceiling = ceiling.measure(row.case.direction, row.case.bytes_moved)
+                row.ceiling_kind = ceiling.label(row.case.direction)
         add_speedups(rows)
         settings = {"device": str(self.device), "warmup": self.warmup, "repeat": self.repeat,
                     "seed": self.seed, "timer": clock.kind, **self.settings}
         return BenchResult(rows=rows, machine=machine_facts(self.device, host_memory),
                            backends=[self._backend_facts(n) for n in names],
                            settings=settings, started=started,
-                           elapsed_s=time.perf_counter() - t0)
+                           elapsed_s=time.perf_counter() - t0,
+                           not_run=len(self.cases) - done)
 
     def _backend_facts(self, name: str) -> dict[str, Any]:
         caps = self.registry.get(name).spec.capabilities
@@ -183,7 +204,7 @@ class Bench:
         rows, memory = [], None
         for i, name in enumerate(names):
             if i == 1:  # between the first backend's run and the second's
-                ceiling.measure(case.direction, case.bytes_moved, case.index_sets)
+                ceiling.measure(case.direction, case.bytes_moved, case.index_sets, again=True)
             row = Row(case, name)
             try:
                 plan = self._plan(case, name)
@@ -198,10 +219,7 @@ class Bench:
             if advance is not None:
                 advance(f"{name} {case.op.value} {case.kind.value}/{case.layout.value} "
                         f"L{case.num_layers} e{case.element_dim}")
-        cap = ceiling.measure(case.direction, case.bytes_moved, case.index_sets)
-        for row in rows:
-            if row.timing is not None:
-                row.ceiling, row.ceiling_kind = cap, ceiling.label(case.direction)
+        ceiling.measure(case.direction, case.bytes_moved, case.index_sets, again=True)
         return rows, memory
 
     def _check_and_time(self, row: Row, plan: TransferPlan, pools: tuple[DevicePool, HostPool],

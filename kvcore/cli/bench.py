@@ -5,14 +5,16 @@ from __future__ import annotations
 import argparse
 import contextlib
 import shlex
+import signal
 import sys
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
 from kvcore.bench import report
-from kvcore.bench.runner import Bench
+from kvcore.bench.runner import Bench, BenchResult
 from kvcore.bench.sweep import PRESETS, expand, override
 from kvcore.cli.backends import default_device
 from kvcore.registry import default_registry
@@ -43,10 +45,16 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=2, help="untimed calls per row (default 2)")
     p.add_argument("--repeat", type=int, default=7, help="timed calls per row (default 7)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random data and indices")
+    p.add_argument("--time-limit", type=float, default=None, metavar="SECONDS",
+                   help="start no new case after SECONDS; the report then says how many "
+                        "cases were not run (SIGTERM and Ctrl-C stop the same way)")
     p.add_argument("--json", metavar="FILE", help="write full records as JSON ('-': stdout)")
     p.add_argument("--markdown", metavar="FILE", help="write the table as markdown")
     p.add_argument("--plot", metavar="FILE.png", help="plot GiB/s and ratio (needs matplotlib)")
     p.add_argument("--quiet", action="store_true", help="no progress bar and no table")
+    p.add_argument("--merge", nargs="+", metavar="FILE.json", default=None,
+                   help="measure nothing: join the rows of earlier --json files (runs of one "
+                        "sweep on one machine) and write the reports from them")
     return p
 
 
@@ -63,29 +71,50 @@ def command_line(args: argparse.Namespace) -> str:
         for value in _split(getattr(args, opt)) or []:
             words += [f"--{opt.replace('_', '-')}", value]
     for opt, default in (("device", None), ("warmup", 2), ("repeat", 7), ("seed", 0),
-                         ("json", None), ("markdown", None), ("plot", None)):
+                         ("time_limit", None), ("json", None), ("markdown", None), ("plot", None)):
         value = getattr(args, opt)
         if value != default:
-            words += [f"--{opt}", str(value)]
+            words += [f"--{opt.replace('_', '-')}", str(value)]
     if args.quiet:
         words.append("--quiet")
     return " ".join(shlex.quote(w) for w in words)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.merge:
+        return _merge(args)
     sweep = override(PRESETS[args.preset],
                      **{field: _split(getattr(args, opt)) for opt, field in AXES.items()})
     cases = expand(sweep)
     device = torch.device(args.device) if args.device else default_device()
     bench = Bench(registry=default_registry(), device=device, cases=cases,
                   backends=_split(args.backend), warmup=args.warmup, repeat=args.repeat,
-                  seed=args.seed, settings={"preset": args.preset})
+                  seed=args.seed, settings={"preset": args.preset},
+                  time_limit_s=args.time_limit)
     total = len(cases) * len(bench.backend_names())
-    json_to_stdout = args.json == "-"
-    show = not args.quiet and not json_to_stdout and sys.stdout.isatty()
-    with progress(total, show) as advance:
+    quiet = args.quiet or args.json == "-"
+    mode = "off" if quiet else "bar" if sys.stdout.isatty() else "lines"
+    with progress(total, mode) as advance, _sigterm_interrupts():
         result = bench.run(advance)
-    cmd = command_line(args)
+    if result.not_run:
+        print(f"kvio bench: stopped early, {result.not_run} of {len(cases)} cases not run",
+              file=sys.stderr)
+    _report(args, result, command_line(args))
+    return 1 if result.not_run or any(r.status == "failed" for r in result.rows) else 0
+
+
+def _merge(args: argparse.Namespace) -> int:
+    from kvcore.bench import merge
+
+    loaded = [merge.load(path) for path in args.merge]
+    result = merge.merge([r for r, _ in loaded])
+    _report(args, result, "\n".join(cmd for _, cmd in loaded))
+    return 1 if result.not_run or any(r.status == "failed" for r in result.rows) else 0
+
+
+def _report(args: argparse.Namespace, result: BenchResult, cmd: str) -> None:
+    """Print the table and write the --json / --markdown / --plot files."""
+    json_to_stdout = args.json == "-"
     latency = args.preset == "single-page"
     if not args.quiet and not json_to_stdout:
         print(report.text_table(result, latency))
@@ -101,7 +130,25 @@ def run(args: argparse.Namespace) -> int:
         from kvcore.bench.plot import plot
 
         plot(result, args.plot)
-    return 1 if any(r.status == "failed" for r in result.rows) else 0
+
+
+@contextlib.contextmanager
+def _sigterm_interrupts() -> Iterator[None]:
+    """Turn SIGTERM (``timeout``, a job scheduler) into KeyboardInterrupt while measuring, so
+    the rows measured so far are still reported."""
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    try:
+        previous = signal.signal(signal.SIGTERM, interrupt)
+    except ValueError:  # not the main thread: leave signals alone
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _write(path: str, text: str) -> None:
@@ -110,10 +157,22 @@ def _write(path: str, text: str) -> None:
 
 
 @contextlib.contextmanager
-def progress(total: int, show: bool) -> Iterator[Callable[[str], None] | None]:
-    """A progress bar (rich, else tqdm) when ``show``; yields its advance(label) or None."""
-    if not show:
+def progress(total: int, mode: str) -> Iterator[Callable[[str], None] | None]:
+    """Yields advance(label) or None. ``mode``: ``bar`` (rich, else tqdm, for a terminal),
+    ``lines`` (one line per row on stderr with the elapsed time, for logs) or ``off``."""
+    if mode == "off":
         yield None
+        return
+    if mode == "lines":
+        t0, done = time.perf_counter(), 0
+
+        def line(label: str) -> None:
+            nonlocal done
+            done += 1
+            print(f"[{done:>{len(str(total))}}/{total} {time.perf_counter() - t0:7.1f} s] {label}",
+                  file=sys.stderr, flush=True)
+
+        yield line
         return
     try:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn

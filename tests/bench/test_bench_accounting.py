@@ -99,3 +99,16 @@ def test_expand_and_override() -> None:
         override(PRESETS["default"], dtypes=["nonsense"])
     with pytest.raises(InvalidArgument):
         case(batch=4, total=2)
+
+
+def test_the_ceiling_is_the_fastest_measurement_of_a_size() -> None:
+    from kvcore.bench.ceiling import Ceiling
+
+    clock = Clock(torch.device("cpu"), 0, 1)
+    ceiling = Ceiling(clock, lambda shape, dtype: (torch.empty(shape, dtype=dtype), None))
+    times = iter([Timing((2.0,)), Timing((1.0,)), Timing((3.0,))])
+    ceiling._measure = lambda direction, nbytes, sets: next(times)  # type: ignore[method-assign]
+    assert ceiling.measure("d2h", 64).median_ms == 2.0
+    assert ceiling.measure("d2h", 64).median_ms == 2.0  # cached, not measured again
+    assert ceiling.measure("d2h", 64, again=True).median_ms == 1.0  # faster: replaces
+    assert ceiling.measure("d2h", 64, again=True).median_ms == 1.0  # slower: ignored

@@ -41,6 +41,10 @@ def test_reference_rows_are_timed_with_ceiling_and_speedup() -> None:
         assert row.ceiling is not None and row.ceiling_kind == "memcpy"
         assert row.ratio == pytest.approx(row.ceiling.median_ms / row.timing.median_ms)
         assert row.speedup == pytest.approx(1.0)
+    by_size = {}
+    for row in result.rows:  # one yardstick per (direction, bytes): the fastest copy
+        by_size.setdefault((row.case.direction, row.case.bytes_moved), row.ceiling)
+        assert row.ceiling is by_size[(row.case.direction, row.case.bytes_moved)]
     assert result.machine["pinned"] is False and result.machine["cpu_count"] >= 1
     validate(json.loads(report.to_json(result, "kvio bench")))
 

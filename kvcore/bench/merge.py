@@ -1,0 +1,85 @@
+"""Reading ``kvio bench --json`` files back, and joining several runs into one report.
+
+A long sweep (the seed table on one GPU) may be measured in several runs, each with its own
+time limit. Every row carries the ceiling measured in its own run, so joining the rows of
+runs on the same machine gives one table whose ratios keep their meaning.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from kvcore.bench.runner import BenchResult, Row
+from kvcore.bench.sweep import Case, parse_dtype
+from kvcore.bench.timing import Timing
+from kvcore.errors import InvalidArgument
+from kvcore.layout import Kind, Layout, Op, parse_enum
+
+
+def load(path: str) -> tuple[BenchResult, str]:
+    """The result and the command line stored in one ``--json`` file."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            facts = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise InvalidArgument("--merge", "a readable kvio bench JSON file",
+                              f"{path}: {exc}") from exc
+    schema = facts.get("schema") if isinstance(facts, dict) else None
+    if schema != "kvcore.bench/1":
+        raise InvalidArgument("--merge", "a file written by kvio bench --json (kvcore.bench/1)",
+                              f"{path}: schema {schema!r}")
+    rows = [_row(r) for r in facts["rows"]]
+    result = BenchResult(rows=rows, machine=facts["machine"], backends=facts["backends"],
+                         settings=facts["settings"], started=facts["started"],
+                         elapsed_s=facts["elapsed_s"], not_run=facts.get("not_run", 0))
+    return result, facts["command"]
+
+
+def merge(results: Sequence[BenchResult]) -> BenchResult:
+    """One result holding every run's rows, in run order.
+
+    The runs must come from the same GPU and driver (their ratios are then comparable);
+    a case measured twice for the same backend keeps the later run's row.
+    """
+    if not results:
+        raise InvalidArgument("--merge", "at least one JSON file", "none")
+    first = results[0]
+    for other in results[1:]:
+        for fact in ("gpu", "driver", "torch"):
+            if other.machine.get(fact) != first.machine.get(fact):
+                raise InvalidArgument(
+                    "--merge", f"runs on one machine (same {fact})",
+                    f"{first.machine.get(fact)!r} and {other.machine.get(fact)!r}")
+    by_key: dict[tuple[object, ...], Row] = {}
+    for result in results:
+        for row in result.rows:
+            by_key[(row.backend, *row.case.key())] = row
+    backends: dict[str, dict[str, Any]] = {}
+    for result in results:
+        backends.update({b["name"]: b for b in result.backends})
+    settings = dict(first.settings)
+    settings["runs"] = len(results)
+    return BenchResult(rows=list(by_key.values()), machine=first.machine,
+                       backends=list(backends.values()), settings=settings,
+                       started=first.started,
+                       elapsed_s=sum(r.elapsed_s for r in results),
+                       not_run=sum(r.not_run for r in results))
+
+
+def _row(facts: dict[str, Any]) -> Row:
+    case = Case(parse_enum(Op, facts["op"], "op"), parse_enum(Kind, facts["kind"], "kind"),
+                parse_enum(Layout, facts["layout"], "layout"), parse_dtype(facts["dtype"]),
+                facts["page_size"], facts["batch_pages"], facts["total_pages"],
+                facts["num_layers"], facts["element_dim"])
+    ceiling = facts["ceiling"]
+    return Row(case=case, backend=facts["backend"], backend_version=facts["backend_version"],
+               variant=facts["variant"], status=facts["status"], reason=facts["reason"],
+               timing=_timing(facts["timing"]),
+               ceiling=_timing(ceiling), ceiling_kind=ceiling["copy"] if ceiling else None,
+               speedup=facts["speedup"])
+
+
+def _timing(facts: dict[str, Any] | None) -> Timing | None:
+    return None if facts is None else Timing(tuple(float(x) for x in facts["samples_ms"]))

@@ -1,0 +1,152 @@
+"""Runs cut short still report what they measured; several runs' JSON merge into one report."""
+
+from __future__ import annotations
+
+import json
+import signal
+from pathlib import Path
+
+import jsonschema
+import pytest
+import torch
+
+from kvcore.bench import report
+from kvcore.bench.merge import load, merge
+from kvcore.bench.runner import OK, Bench
+from kvcore.cli import main
+from kvcore.errors import InvalidArgument
+from kvcore.layout import Kind, Op
+from kvcore.registry import REFERENCE, default_registry
+
+from .helpers import case
+
+CPU = torch.device("cpu")
+SMALL = ["--page-size", "4", "--batch-pages", "2", "--total-pages", "4", "--element-dim", "128",
+         "--warmup", "1", "--repeat", "2", "--layout", "page_first", "--backend", REFERENCE]
+
+
+def validate(doc: dict) -> None:
+    jsonschema.validate(doc, report.schema(), cls=jsonschema.Draft202012Validator)
+
+
+def three_cases() -> list:
+    return [case(op, Kind.MHA, layers=2, elem=128, page=4, batch=2, total=4) for op in Op]
+
+
+def test_an_interrupt_between_rows_keeps_the_rows_measured_so_far() -> None:
+    calls = []
+
+    def advance(label: str) -> None:
+        calls.append(label)
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # what SIGTERM becomes under `kvio bench`
+
+    result = Bench(default_registry(), CPU, three_cases(), backends=[REFERENCE], warmup=0,
+                   repeat=1).run(advance)
+    assert [r.case.op for r in result.rows] == [Op.WRITE_BACK]
+    assert result.rows[0].status == OK and result.rows[0].ceiling is not None
+    assert result.not_run == 2
+    doc = json.loads(report.to_json(result, "kvio bench"))
+    validate(doc)
+    assert doc["not_run"] == 2
+    assert "INCOMPLETE: stopped early, 2 case(s) not run" in report.text_table(result)
+
+
+def test_a_time_limit_stops_before_the_next_case() -> None:
+    result = Bench(default_registry(), CPU, three_cases(), backends=[REFERENCE], warmup=0,
+                   repeat=1, time_limit_s=0.0).run()
+    assert result.rows == [] and result.not_run == 3
+    full = Bench(default_registry(), CPU, three_cases(), backends=[REFERENCE], warmup=0,
+                 repeat=1, time_limit_s=3600.0).run()
+    assert len(full.rows) == 3 and full.not_run == 0
+
+
+def test_cli_time_limit_reports_and_exits_nonzero(tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture) -> None:
+    out = tmp_path / "b.json"
+    assert main(["bench", *SMALL, "--time-limit", "0", "--json", str(out)]) == 1
+    captured = capsys.readouterr()
+    assert "stopped early" in captured.err and "INCOMPLETE" in captured.out
+    doc = json.loads(out.read_text())
+    validate(doc)
+    assert doc["rows"] == [] and doc["not_run"] > 0 and "--time-limit 0.0" in doc["command"]
+
+
+def test_sigterm_during_the_run_becomes_an_incomplete_report(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    out = tmp_path / "b.json"
+    real_run = Bench.run
+
+    def run_then_terminate(self: Bench, advance: object = None) -> object:
+        seen = []
+
+        def advance_and_signal(label: str) -> None:  # a case is reported once complete
+            seen.append(label)
+            if len(seen) == 2:
+                signal.raise_signal(signal.SIGTERM)
+
+        return real_run(self, advance_and_signal)
+
+    monkeypatch.setattr(Bench, "run", run_then_terminate)
+    assert main(["bench", *SMALL, "--quiet", "--json", str(out)]) == 1
+    doc = json.loads(out.read_text())
+    assert len(doc["rows"]) == 1 and doc["not_run"] > 0
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # restored afterwards
+
+
+def test_progress_lines_on_stderr_when_not_a_terminal(capsys: pytest.CaptureFixture) -> None:
+    assert main(["bench", *SMALL, "--op", "write_back", "--kind", "mla",
+                 "--num-layers", "2"]) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("[1/1 ")
+    assert err[0].endswith("reference write_back mla/page_first L2 e128")
+
+
+def _run(tmp_path: Path, name: str, *extra: str) -> Path:
+    path = tmp_path / f"{name}.json"
+    assert main(["bench", *SMALL, "--quiet", "--json", str(path), *extra]) == 0
+    return path
+
+
+def test_merge_joins_runs_into_one_report(tmp_path: Path,
+                                          capsys: pytest.CaptureFixture) -> None:
+    a = _run(tmp_path, "a", "--kind", "mla", "--num-layers", "2")
+    b = _run(tmp_path, "b", "--kind", "mha", "--num-layers", "2,3")
+    md, out = tmp_path / "m.md", tmp_path / "m.json"
+    assert main(["bench", "--merge", str(a), str(b), "--markdown", str(md),
+                 "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    validate(doc)
+    assert len(doc["rows"]) == 3 + 6 and doc["settings"]["runs"] == 2
+    assert {(r["kind"], r["num_layers"]) for r in doc["rows"]} == {
+        ("mla", 2), ("mha", 2), ("mha", 3)}
+    by_file = {json.dumps(r, sort_keys=True) for p in (a, b)
+               for r in json.loads(p.read_text())["rows"]}
+    assert {json.dumps(r, sort_keys=True) for r in doc["rows"]} == by_file  # rows unchanged
+    text = md.read_text()
+    assert "--kind mla" in text and "--kind mha" in text  # both commands are quoted
+    assert "ratio" in capsys.readouterr().out
+
+
+def test_merge_keeps_the_later_run_of_a_repeated_case(tmp_path: Path) -> None:
+    a = _run(tmp_path, "a", "--kind", "mla", "--num-layers", "2")
+    b = _run(tmp_path, "b", "--kind", "mla", "--num-layers", "2", "--seed", "5")
+    first, second = load(str(a))[0], load(str(b))[0]
+    merged = merge([first, second])
+    assert len(merged.rows) == 3
+    assert [r.timing for r in merged.rows] == [r.timing for r in second.rows]
+
+
+def test_merge_refuses_runs_of_different_machines_and_foreign_files(tmp_path: Path) -> None:
+    a = _run(tmp_path, "a", "--kind", "mla", "--num-layers", "2")
+    first = load(str(a))[0]
+    other = load(str(a))[0]
+    other.machine = {**other.machine, "gpu": "Some Other GPU"}
+    with pytest.raises(InvalidArgument, match="same gpu"):
+        merge([first, other])
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"schema": "something/else"}))
+    with pytest.raises(InvalidArgument, match=r"kvcore\.bench/1"):
+        load(str(bad))
+    with pytest.raises(InvalidArgument, match="readable"):
+        load(str(tmp_path / "missing.json"))
