@@ -65,7 +65,10 @@ def header_lines(result: BenchResult) -> list[str]:
         f"CPU: {m.get('cpu')} ({m.get('cpu_count')} cores)  host memory: "
         f"{m.get('host_memory') or '-'} (pinned: {'yes' if m.get('pinned') else 'no'})",
         f"backends: {names}  timer: {s.get('timer')}, warm-up {s.get('warmup')}, "
-        f"repeat {s.get('repeat')} (median)  elapsed {result.elapsed_s:.1f} s",
+        f"repeat {s.get('repeat')} (median)"
+        + (f", reference: repeat {s['reference_repeat']}, no warm-up"
+           if s.get("reference_repeat") is not None else "")
+        + f"  elapsed {result.elapsed_s:.1f} s",
         *([f"INCOMPLETE: stopped early, {result.not_run} case(s) not run"]
           if result.not_run else []),
     ]

@@ -27,7 +27,7 @@ from kvcore.bench.machine import machine_facts
 from kvcore.bench.sweep import Case
 from kvcore.bench.timing import Clock, Timing, gib_per_s
 from kvcore.capabilities import Unavailable
-from kvcore.errors import KVCoreError
+from kvcore.errors import InvalidArgument, KVCoreError
 from kvcore.layout import Op
 from kvcore.plan import PlacedIndices, TransferPlan
 from kvcore.pools import DevicePool, HostPool
@@ -123,9 +123,18 @@ class Bench:
     settings: dict[str, Any] = attrs.field(factory=dict)
     #: start no new case after this many seconds (None: no limit); see ``BenchResult.not_run``
     time_limit_s: float | None = None
+    #: timed calls of the reference's own rows (None: ``repeat``). The reference is the
+    #: oracle and slow on an accelerator (most of a GPU sweep's time); its rows are for
+    #: comparison, its check run serves as their warm-up.
+    reference_repeat: int | None = None
     _pool_cache: dict[tuple[str, str], tuple[DevicePool, HostPool]] = attrs.field(
         factory=dict, init=False)
     _pool_key: tuple[object, ...] | None = attrs.field(default=None, init=False)
+
+    def __attrs_post_init__(self) -> None:
+        if self.reference_repeat is not None and self.reference_repeat < 1:
+            raise InvalidArgument("reference_repeat", "a positive int or None",
+                                  str(self.reference_repeat))
 
     def backend_names(self) -> list[str]:
         """The backends to measure, the reference first when it is among them."""
@@ -150,6 +159,8 @@ class Bench:
         started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
         names = self.backend_names()
         clock = Clock(self.device, self.warmup, self.repeat)
+        ref_clock = (clock if self.reference_repeat is None
+                     else Clock(self.device, 0, self.reference_repeat))
         ref_instance = self.registry.instance(REFERENCE, self.device)
         ceiling = Ceiling(clock, ref_instance.allocate_host)  # type: ignore[attr-defined]
         rows: list[Row] = []
@@ -159,7 +170,8 @@ class Bench:
             for case in self.cases:
                 if self.time_limit_s is not None and time.perf_counter() - t0 > self.time_limit_s:
                     break
-                case_rows, memory = self._run_case(case, names, clock, ceiling, advance)
+                case_rows, memory = self._run_case(case, names, clock, ref_clock, ceiling,
+                                                   advance)
                 rows += case_rows
                 host_memory = host_memory or memory
                 done += 1
@@ -174,6 +186,8 @@ class Bench:
         add_speedups(rows)
         settings = {"device": str(self.device), "warmup": self.warmup, "repeat": self.repeat,
                     "seed": self.seed, "timer": clock.kind, **self.settings}
+        if self.reference_repeat is not None:
+            settings["reference_repeat"] = self.reference_repeat
         return BenchResult(rows=rows, machine=machine_facts(self.device, host_memory),
                            backends=[self._backend_facts(n) for n in names],
                            settings=settings, started=started,
@@ -189,7 +203,8 @@ class Bench:
 
     # -- one case --------------------------------------------------------------------------
 
-    def _run_case(self, case: Case, names: Sequence[str], clock: Clock, ceiling: Ceiling,
+    def _run_case(self, case: Case, names: Sequence[str], clock: Clock, ref_clock: Clock,
+                  ceiling: Ceiling,
                   advance: Callable[[str], None] | None) -> tuple[list[Row], str | None]:
         gen = torch.Generator().manual_seed(self.seed)
         sets = index_sets(case, gen, self.device)
@@ -214,7 +229,8 @@ class Bench:
             else:
                 row.backend_version = plan.backend_version
                 memory = memory or pools[1].memory.value
-                self._check_and_time(row, plan, pools, initial, expected, sets, clock)
+                self._check_and_time(row, plan, pools, initial, expected, sets,
+                                     ref_clock if name == REFERENCE else clock)
             rows.append(row)
             if advance is not None:
                 advance(f"{name} {case.op.value} {case.kind.value}/{case.layout.value} "

@@ -44,6 +44,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                    help="torch device (default: the accelerator if there is one, else cpu)")
     p.add_argument("--warmup", type=int, default=2, help="untimed calls per row (default 2)")
     p.add_argument("--repeat", type=int, default=7, help="timed calls per row (default 7)")
+    p.add_argument("--reference-repeat", type=int, default=None, metavar="N",
+                   help="timed calls of the reference's own rows, without warm-up (default: "
+                        "as --repeat); the reference is slow on a GPU and only compared with")
     p.add_argument("--seed", type=int, default=0, help="seed of the random data and indices")
     p.add_argument("--time-limit", type=float, default=None, metavar="SECONDS",
                    help="start no new case after SECONDS; the report then says how many "
@@ -70,7 +73,8 @@ def command_line(args: argparse.Namespace) -> str:
     for opt in ("backend", *AXES):
         for value in _split(getattr(args, opt)) or []:
             words += [f"--{opt.replace('_', '-')}", value]
-    for opt, default in (("device", None), ("warmup", 2), ("repeat", 7), ("seed", 0),
+    for opt, default in (("device", None), ("warmup", 2), ("repeat", 7),
+                         ("reference_repeat", None), ("seed", 0),
                          ("time_limit", None), ("json", None), ("markdown", None), ("plot", None)):
         value = getattr(args, opt)
         if value != default:
@@ -90,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
     bench = Bench(registry=default_registry(), device=device, cases=cases,
                   backends=_split(args.backend), warmup=args.warmup, repeat=args.repeat,
                   seed=args.seed, settings={"preset": args.preset},
-                  time_limit_s=args.time_limit)
+                  time_limit_s=args.time_limit, reference_repeat=args.reference_repeat)
     total = len(cases) * len(bench.backend_names())
     quiet = args.quiet or args.json == "-"
     mode = "off" if quiet else "bar" if sys.stdout.isatty() else "lines"

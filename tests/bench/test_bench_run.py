@@ -12,6 +12,7 @@ import torch
 from kvcore.bench import report
 from kvcore.bench.runner import FAILED, OK, UNSUPPORTED, Bench
 from kvcore.cli import main
+from kvcore.errors import InvalidArgument
 from kvcore.layout import Kind, Layout, Op
 from kvcore.registry import REFERENCE, default_registry
 
@@ -131,3 +132,18 @@ def _has_matplotlib() -> bool:
     except ImportError:
         return False
     return True
+
+
+def test_reference_rows_can_be_timed_with_fewer_repetitions() -> None:
+    with default_registry().isolated() as reg:
+        instances = register(reg, "other", "none", ops=(Op.WRITE_BACK,))
+        result = Bench(reg, CPU, cases()[:1], backends=[REFERENCE, "other"], warmup=2,
+                       repeat=4, reference_repeat=1).run()
+    samples = {r.backend: len(r.timing.samples_ms) for r in result.rows}
+    assert samples == {REFERENCE: 1, "other": 4}
+    assert instances["cpu"].runs == 1 + 2 + 4  # the other backend keeps check, warm-up, repeat
+    assert result.settings["reference_repeat"] == 1
+    assert "reference: repeat 1, no warm-up" in report.text_table(result)
+    validate(json.loads(report.to_json(result, "kvio bench")))
+    with pytest.raises(InvalidArgument, match="reference_repeat"):
+        Bench(default_registry(), CPU, [], reference_repeat=0)
