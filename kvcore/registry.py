@@ -51,6 +51,7 @@ from kvcore.errors import (
 )
 from kvcore.layout import Kind, Layout, Op, check_combination, parse_enum
 from kvcore.plan import TransferPlan, TransferRequest
+from kvcore.streams import resolve_device
 
 try:  # the backport is a declared dependency; the stdlib module serves where it is absent
     import importlib_metadata as metadata
@@ -229,6 +230,7 @@ class Registry:
 
     def instance(self, name: str, device: torch.device) -> object:
         """The backend object for ``device``, built on first use and then shared."""
+        device = resolve_device(device)
         key = (name, str(device))
         with self._lock:
             if key not in self._instances:
@@ -338,7 +340,7 @@ def make_request(op: Op | str, kind: Kind | str, layout: Layout | str, dtype: to
         op=parse_enum(Op, op, "op"),  # type: ignore[arg-type]
         kind=parse_enum(Kind, kind, "kind"),  # type: ignore[arg-type]
         layout=parse_enum(Layout, layout, "layout"),  # type: ignore[arg-type]
-        dtype=dtype, element_bytes=element_bytes, device=torch.device(device))
+        dtype=dtype, element_bytes=element_bytes, device=resolve_device(device))
     if element_bytes <= 0:
         raise InvalidArgument("element_bytes", "a positive int", str(element_bytes))
     check_combination(req.op, req.kind, req.layout)

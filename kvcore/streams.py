@@ -13,6 +13,22 @@ from typing import Any
 import torch
 
 
+def resolve_device(device: torch.device | str) -> torch.device:
+    """``device`` with its index: ``cuda`` becomes ``cuda:N`` for the current device N.
+
+    Tensors always report an indexed device, so a request, a backend instance and a pool
+    compare equal only once the index is filled in. A type whose device module cannot say
+    (not compiled in, no driver) is returned as given; availability reports the cause later.
+    """
+    d = torch.device(device)
+    if d.index is not None or not has_streams(d):
+        return d
+    try:
+        return torch.device(d.type, torch.get_device_module(d).current_device())
+    except (AssertionError, AttributeError, RuntimeError):
+        return d
+
+
 def has_streams(device: torch.device) -> bool:
     """Whether work on ``device`` is asynchronous and ordered by streams."""
     return device.type not in ("cpu", "meta")

@@ -12,6 +12,7 @@ from kvcore.capabilities import Unavailable
 from kvcore.layout import Kind, Layout, Op
 from kvcore.plan import dtype_name
 from kvcore.registry import Registry, default_registry, make_request
+from kvcore.streams import resolve_device
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
@@ -36,8 +37,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 def default_device() -> torch.device:
     """The current accelerator if torch has one, else the CPU."""
     acc = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
-    return torch.device(acc.type, torch.accelerator.current_device_index()) if acc else \
-        torch.device("cpu")
+    return resolve_device(acc.type) if acc else torch.device("cpu")
 
 
 def backend_facts(registry: Registry) -> list[dict[str, Any]]:
