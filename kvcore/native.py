@@ -15,6 +15,7 @@ from kvcore.backend import TransferJob
 from kvcore.capabilities import HostMemory, IndexSpec, OpSupport, Residency, op_support
 from kvcore.errors import InvalidArgument
 from kvcore.layout import ByteStrides, Kind, Layout, Op
+from kvcore.native_abi import KvioLayout, make_layout
 from kvcore.streams import current_stream
 
 DEVICE_TO_HOST = 0
@@ -65,6 +66,7 @@ class NativeBackend:
         self.staging_bytes = staging_bytes
         self.use_batched = use_batched
         self._staging: dict[int, torch.Tensor] = {}
+        self._layouts: dict[ByteStrides, KvioLayout] = {}
 
     def raw_stream(self, stream: Any) -> int:
         """The runtime's handle of a torch stream (0: the default stream)."""
@@ -92,7 +94,10 @@ class NativeBackend:
         pool = job.device_pool
         if pool.device != self.device:
             raise InvalidArgument("device_pool", f"tensors on {self.device}", str(pool.device))
-        layout = layout_fields(job.host_strides)  # the binding builds the C struct
+        layout = self._layouts.get(job.host_strides)
+        if layout is None:  # one validated C struct per host pool geometry, not per call
+            layout = self._layouts[job.host_strides] = make_layout(
+                layout_fields(job.host_strides))
         k_ptrs = pool.k_ptrs.data_ptr()
         v_ptrs = pool.v_ptrs.data_ptr() if pool.v_ptrs is not None else 0
         stream = self.stream_handle(job.stream)

@@ -325,11 +325,13 @@ class Call:
         return self.placed[0].support.variant
 
     def __call__(self, i: int) -> None:
+        """One timed call on index set ``i % n``: indices placed once, as the controller
+        does, so a per-layer row times the per-layer calls alone."""
         p = self.placed[i % len(self.placed)]
         layers = range(self.case.num_layers) if self.case.op is Op.LOAD_LAYER else [None]
         for layer in layers:
-            done = self.plan.transfer(self.device_pool, self.host_pool, p.host, p.device,
-                                      layer=layer, stream=self.stream, check=False)
+            done = self.plan.run(p, self.device_pool, self.host_pool, layer=layer,
+                                 stream=self.stream)
             if done is not None:
                 self.completions.append(done)
 

@@ -81,3 +81,17 @@ def test_direct_load_of_one_layer_passes_that_layer_and_both_index_widths() -> N
     assert (n2, a2[0], a2[3], a2[4]) == ("direct", DEVICE_TO_HOST, 0, 3)
     assert (a1[8], a1[10], a1[11]) == (1, 0, 16)  # host int64, device int32, 16 tokens
 
+
+
+def test_the_layout_struct_is_built_once_per_host_geometry() -> None:
+    backend, lib, dev, host = _setup("page_first")
+    _run(backend, dev, host, Op.LOAD_LAYER, "direct", layer=0)
+    _run(backend, dev, host, Op.LOAD_LAYER, "direct", layer=1)
+    first, second = (args[6] for _, args in lib.calls)
+    assert first is second  # per-layer calls reuse one validated struct
+    assert first.as_dict() == layout_fields(host.strides)
+    other = HostPool.wrap(torch.empty(_shape("layer_first"), dtype=torch.bfloat16), "mha",
+                          "layer_first", 3, 2, 64, 16)
+    _run(backend, dev, other, Op.LOAD_LAYER, "direct", layer=0)
+    third = lib.calls[-1][1][6]
+    assert third is not first and third.as_dict() == layout_fields(other.strides)
