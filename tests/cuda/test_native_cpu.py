@@ -83,6 +83,41 @@ def test_compile_command() -> None:
     assert "-Xlinker" not in quiet
 
 
+def test_tuning_defines_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("KVIO_CUDA_TUNE", raising=False)
+    assert build.tuning_defines() == []
+    monkeypatch.setenv("KVIO_CUDA_TUNE", " unroll=8, BLOCKS_PER_SM=2 ,")
+    flags = build.tuning_defines()
+    assert flags == ["-DKVIO_UNROLL=8", "-DKVIO_BLOCKS_PER_SM=2"]
+    cmd = build.compile_command("nvcc", "k.cu", "o.so", 9, 0, defines=flags)
+    assert cmd[cmd.index("-DKVIO_UNROLL=8") + 1] == "-DKVIO_BLOCKS_PER_SM=2"
+
+
+@pytest.mark.parametrize("spec", ["UNROLL=0", "UNROLL=17", "BLOCKS_PER_SM=x", "THREADS=128",
+                                  "UNROLL"])
+def test_tuning_defines_refuse_unknown_names_and_ranges(spec: str) -> None:
+    with pytest.raises(BuildError, match=r"KVIO_CUDA_TUNE: expected .*UNROLL=\[1, 16\]") as err:
+        build.tuning_defines(spec)
+    assert repr(spec) in str(err.value)
+
+
+def test_tuning_makes_its_own_cache_entry(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                          ) -> None:
+    seen: list[list[str]] = []
+
+    def fake_build(name: str, key: dict[str, str], build_fn: Any, root: Any = None) -> Path:
+        seen.append(key["command"].split())
+        return tmp_path / name
+
+    monkeypatch.setattr(build, "find_nvcc", lambda: build.Nvcc(Path("/x/nvcc"), (13, 0, 88)))
+    monkeypatch.setattr(build, "build_cached", fake_build)
+    monkeypatch.delenv("KVIO_CUDA_TUNE", raising=False)
+    build.build_library(9, 0)
+    monkeypatch.setenv("KVIO_CUDA_TUNE", "UNROLL=8")
+    build.build_library(9, 0)
+    assert "-DKVIO_UNROLL=8" not in seen[0] and "-DKVIO_UNROLL=8" in seen[1]
+
+
 def _fake_nvcc(directory: Path, release: str) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     exe = directory / "nvcc"

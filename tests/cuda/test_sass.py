@@ -125,8 +125,8 @@ def tools() -> tuple[build.Nvcc, Path]:
     return nvcc, cuobjdump
 
 
-def _compile(nvcc: build.Nvcc, source: Path, out: Path) -> str:
-    cmd = build.compile_command(nvcc.path, source, out, *ARCH, nvcc.version)
+def _compile(nvcc: build.Nvcc, source: Path, out: Path, defines: tuple[str, ...] = ()) -> str:
+    cmd = build.compile_command(nvcc.path, source, out, *ARCH, nvcc.version, defines=defines)
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout}\n{proc.stderr}"
     return proc.stdout + proc.stderr
@@ -208,6 +208,20 @@ def test_ptxas_reports_no_spills(shipped: tuple[dict[str, str], str]) -> None:
         assert r["stack"] == 0, (name, r)
         # __launch_bounds__(256, 4): 4 blocks of 256 threads per SM fit in 64K registers
         assert r["registers"] <= 64, (name, r)
+
+
+def test_a_tuned_build_keeps_the_hinted_128_bit_copies(tools: tuple[build.Nvcc, Path],
+                                                       tmp_path: Path) -> None:
+    """KVIO_CUDA_TUNE's knobs (more vectors in flight, fewer blocks) change the schedule,
+    not the instructions: the 16-B kernels stay 128-bit, hinted and spill-free."""
+    nvcc, cuobjdump = tools
+    defines = tuple(build.tuning_defines("UNROLL=8,BLOCKS_PER_SM=2"))
+    log = _compile(nvcc, build.SOURCE, tmp_path / "libtuned.so", defines)
+    sass = _dump(cuobjdump, tmp_path / "libtuned.so")
+    for kernel in (k for k in COPY_KERNELS if "_v16_" in k):
+        assert check_vector_copy(sass[kernel], host_side_stores="_d2h_" in kernel) == []
+    for name, r in parse_ptxas(log).items():
+        assert r["spill_stores"] == 0 and r["spill_loads"] == 0, (name, r)
 
 
 BROKEN_SCALAR = r"""

@@ -12,6 +12,7 @@ import re
 import shutil
 import subprocess
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -179,20 +180,53 @@ def toolkit_lib_dir(nvcc: Path | str) -> Path | None:
     return None
 
 
+#: the kernels' build-time tuning knobs and their ranges (see :func:`tuning_defines`)
+TUNABLES = {"UNROLL": (1, 16), "BLOCKS_PER_SM": (1, 8)}
+
+
+def tuning_defines(spec: str | None = None) -> list[str]:
+    """``-DKVIO_<NAME>=<value>`` flags from ``spec`` (default: the ``KVIO_CUDA_TUNE``
+    environment variable), e.g. ``"UNROLL=8,BLOCKS_PER_SM=2"``; none when unset or empty.
+
+    For experiments on a new GPU: each setting is its own cache entry (the flags are part
+    of the key), and the defaults are what ships. Raises BuildError for an unknown name or
+    a value out of range.
+    """
+    if spec is None:
+        spec = os.environ.get("KVIO_CUDA_TUNE", "")
+    flags = []
+    for item in filter(None, (part.strip() for part in spec.split(","))):
+        name, _, value = item.partition("=")
+        name = name.strip().upper()
+        bounds = TUNABLES.get(name)
+        try:
+            number = int(value)
+        except ValueError:
+            number = None
+        if bounds is None or number is None or not bounds[0] <= number <= bounds[1]:
+            allowed = ", ".join(f"{n}=[{lo}, {hi}]" for n, (lo, hi) in TUNABLES.items())
+            raise BuildError(f"KVIO_CUDA_TUNE: expected comma-separated NAME=INT with {allowed}; "
+                             f"got {item!r}")
+        flags.append(f"-DKVIO_{name}={number}")
+    return flags
+
+
 def compile_command(nvcc: Path | str, source: Path | str, out: Path | str, major: int,
                     minor: int, nvcc_version: tuple[int, ...] | None = None,
-                    rpath: Path | str | None = None, verbose_ptxas: bool = True) -> list[str]:
+                    rpath: Path | str | None = None, verbose_ptxas: bool = True,
+                    defines: Sequence[str] = ()) -> list[str]:
     """The nvcc command line building ``source`` into the shared library ``out``.
 
     -O3, C++17, position independent, hidden symbols except the ABI, line info for
     profilers, ``-Xptxas -v`` (register and spill report on stderr), the shared cudart
     (plus libdl for resolving cudaMemcpyBatchAsync at run time) and, with ``rpath``, a
     run path to the toolkit's libraries, used only when the process has not loaded a
-    libcudart of the same major version already (torch's, normally).
+    libcudart of the same major version already (torch's, normally). ``defines``: extra
+    ``-D`` flags (:func:`tuning_defines`).
     """
     cmd = [str(nvcc), "-O3", "-std=c++17", "--shared", "-Xcompiler", "-fPIC",
            "-Xcompiler", "-fvisibility=hidden", "-lineinfo", "-cudart", "shared",
-           *arch_flags(major, minor, nvcc_version)]
+           *arch_flags(major, minor, nvcc_version), *defines]
     if verbose_ptxas:
         cmd += ["-Xptxas", "-v"]
     cmd += ["-o", str(out), str(source), "-ldl"]
@@ -213,20 +247,22 @@ def build_library(major: int, minor: int, cache_dir: Path | None = None) -> Path
     nvcc = find_nvcc()
     sm = arch_name(major, minor)
     rpath = toolkit_lib_dir(nvcc.path)
+    defines = tuning_defines()
     key = {
         "sources": _sources_digest(),
         "arch": sm,
         "nvcc": ".".join(map(str, nvcc.version)),
         "command": " ".join(compile_command(nvcc.path, "SOURCE", "OUT", major, minor,
-                                            nvcc.version, rpath)),
+                                            nvcc.version, rpath, defines=defines)),
         "abi": "1",
     }
 
     def build(out: Path) -> None:
-        print(f"kvio_cuda: building kernels for {sm} with nvcc {nvcc.release} "
+        tuned = f", tuned {' '.join(defines)}" if defines else ""
+        print(f"kvio_cuda: building kernels for {sm} with nvcc {nvcc.release}{tuned} "
               f"(first use, cached in {out.parent})", file=sys.stderr, flush=True)
         log = run_compiler(compile_command(nvcc.path, SOURCE, out, major, minor, nvcc.version,
-                                           rpath), "nvcc")
+                                           rpath, defines=defines), "nvcc")
         # The report is informative only; it is rewritten by every build.
         report = out.parent / f"{Path(LIBRARY_NAME).stem}-{sm}.ptxas.txt"
         try:

@@ -46,12 +46,24 @@ static_assert(sizeof(kvio_layout) == 64, "kvio_layout must be 8 int64 fields");
         }                                         \
     } while (0)
 
+// Tuning knobs, for experiments only (KVIO_CUDA_TUNE in build.py sets them; the defaults
+// are what ships and what the CI's SASS checks see).
+#ifndef KVIO_UNROLL
+#define KVIO_UNROLL 4
+#endif
+#ifndef KVIO_BLOCKS_PER_SM
+#define KVIO_BLOCKS_PER_SM 4
+#endif
+static_assert(KVIO_UNROLL >= 1 && KVIO_UNROLL <= 16, "KVIO_UNROLL must be in [1, 16]");
+static_assert(KVIO_BLOCKS_PER_SM >= 1 && KVIO_BLOCKS_PER_SM <= 8,
+              "KVIO_BLOCKS_PER_SM must be in [1, 8]");
+
 namespace {
 
 constexpr int kAbiVersion = 1;
 constexpr int kThreads = 256;      // threads per block
-constexpr int kUnroll = 4;         // vectors in flight per thread (loads issued before stores)
-constexpr int kBlocksPerSm = 4;    // 1024 resident threads per SM, <= 64 registers each
+constexpr int kUnroll = KVIO_UNROLL;  // vectors in flight per thread (loads before stores)
+constexpr int kBlocksPerSm = KVIO_BLOCKS_PER_SM;  // default 4: 1024 threads, <= 64 regs each
 constexpr int kMaxDevices = 256;
 constexpr int64_t kTile = int64_t(kThreads) * kUnroll;  // vectors per block per iteration
 // The staged write-back splits a transfer that fits into the staging buffer into chunks
