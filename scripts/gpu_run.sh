@@ -4,13 +4,15 @@
 # every result into one folder ($OUT, default ./gpu-results), packed as results.tar.gz.
 #
 #   scripts/gpu_run.sh [STAGE ...]     stages: setup tests replay multi bench seed check
-#                                      check_triton (default: all, in that order)
+#                                      check_triton probe (default: all but probe, in order)
 #
 # DEADLINE_S bounds the whole run (each step's limit shrinks to fit), so the results are
 # always packed. The seed table may take longer than one run: SEED_ARGS narrows it and
 # SEED_TAG names its files (bench_seed_TAG.json), and `kvio bench --merge` joins the runs.
 # The seed bench stops starting cases SEED_MARGIN_S (default 60) before the deadline; the
 # reference takes ~85 % of its time, SEED_REFERENCE_REPEAT=1 times its rows once.
+# probe: scripts/probe_layer_load.py once per kernel build setting in PROBE_TUNES
+# (';'-separated KVIO_CUDA_TUNE values, '' = the shipped defaults).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-results}
@@ -64,6 +66,13 @@ check)  # the conformance suite, full size, against the reference
     ;;
 check_triton)
     step check_triton 300 "${KVIO[@]}" check triton
+    ;;
+probe)
+    IFS=';' read -r -a tunes <<< "${PROBE_TUNES:-;UNROLL=8;UNROLL=8,BLOCKS_PER_SM=2;UNROLL=16,BLOCKS_PER_SM=1}"
+    for tune in "${tunes[@]}"; do
+        tag=$(echo "${tune:-default}" | tr ',=' '_-')
+        KVIO_CUDA_TUNE=$tune step "probe_$tag" 120 $PY scripts/probe_layer_load.py --json "$R/probe_$tag.json"
+    done
     ;;
 *) echo "unknown stage $stage"; exit 2;;
 esac; done
