@@ -104,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvio bench: stopped early, {result.not_run} of {len(cases)} cases not run",
               file=sys.stderr)
     _report(args, result, command_line(args))
-    return 1 if result.not_run or any(r.status == "failed" for r in result.rows) else 0
+    return _exit_code(result)
 
 
 def _merge(args: argparse.Namespace) -> int:
@@ -113,6 +113,11 @@ def _merge(args: argparse.Namespace) -> int:
     loaded = [merge.load(path) for path in args.merge]
     result = merge.merge([r for r, _ in loaded])
     _report(args, result, "\n".join(cmd for _, cmd in loaded))
+    return _exit_code(result)
+
+
+def _exit_code(result: BenchResult) -> int:
+    """1 when a row failed its check or cases were not run, else 0."""
     return 1 if result.not_run or any(r.status == "failed" for r in result.rows) else 0
 
 
