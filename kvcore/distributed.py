@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from kvcore.errors import PlanMismatch, RanksFailed
+from kvcore.streams import resolve_device
 
 KEY_PREFIX = "kvcore/plan"
 
@@ -180,7 +181,7 @@ def _collective_device(process_group: Any) -> torch.device:
     accelerator = torch.accelerator.current_accelerator()
     if accelerator is None:
         return torch.device("cpu")
-    return torch.device(accelerator.type, torch.accelerator.current_device_index())
+    return resolve_device(accelerator.type)
 
 
 def _group_store(process_group: Any) -> dist.Store:
