@@ -30,11 +30,15 @@ def load(path: str) -> tuple[BenchResult, str]:
     if schema != "kvcore.bench/1":
         raise InvalidArgument("--merge", "a file written by kvio bench --json (kvcore.bench/1)",
                               f"{path}: schema {schema!r}")
-    rows = [_row(r) for r in facts["rows"]]
-    result = BenchResult(rows=rows, machine=facts["machine"], backends=facts["backends"],
-                         settings=facts["settings"], started=facts["started"],
-                         elapsed_s=facts["elapsed_s"], not_run=facts.get("not_run", 0))
-    return result, facts["command"]
+    try:
+        rows = [_row(r) for r in facts["rows"]]
+        result = BenchResult(rows=rows, machine=facts["machine"], backends=facts["backends"],
+                             settings=facts["settings"], started=facts["started"],
+                             elapsed_s=facts["elapsed_s"], not_run=facts.get("not_run", 0))
+        return result, facts["command"]
+    except (KeyError, TypeError) as exc:
+        raise InvalidArgument("--merge", "every field of kvcore.bench/1",
+                              f"{path}: missing or malformed {exc}") from exc
 
 
 def merge(results: Sequence[BenchResult]) -> BenchResult:

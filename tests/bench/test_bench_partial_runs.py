@@ -148,5 +148,10 @@ def test_merge_refuses_runs_of_different_machines_and_foreign_files(tmp_path: Pa
     bad.write_text(json.dumps({"schema": "something/else"}))
     with pytest.raises(InvalidArgument, match=r"kvcore\.bench/1"):
         load(str(bad))
+    truncated = json.loads(a.read_text())
+    del truncated["rows"][0]["timing"]
+    bad.write_text(json.dumps(truncated))
+    with pytest.raises(InvalidArgument, match="missing or malformed 'timing'"):
+        load(str(bad))
     with pytest.raises(InvalidArgument, match="readable"):
         load(str(tmp_path / "missing.json"))
