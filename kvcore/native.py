@@ -38,6 +38,10 @@ class NativeLibrary(Protocol):
                           n_tokens: int, staging: int, staging_bytes: int, use_batched: int,
                           stream: int) -> None: ...
 
+    def load_layer_dma(self, k_dst: int, v_dst: int, layer: int, host_base: int, layout: Any,
+                       host_idx_cpu: int, dev_idx_cpu: int, n_tokens: int, use_batched: int,
+                       stream: int) -> None: ...
+
 
 def layout_fields(s: ByteStrides) -> dict[str, int]:
     """The kvio_layout struct's fields, from kvcore.layout's byte strides."""
@@ -58,6 +62,8 @@ class NativeBackend:
 
     #: the variant name that selects the staged write-back
     STAGED = "staged"
+    #: the variant name that selects the copy-engine per-layer load
+    DMA = "dma"
 
     def __init__(self, device: torch.device, library: NativeLibrary,
                  staging_bytes: int = DEFAULT_STAGING_BYTES, use_batched: bool = True) -> None:
@@ -110,6 +116,13 @@ class NativeBackend:
                 d.data_ptr(), is_64(d), h.numel(), staging.data_ptr(), staging.numel(),
                 int(self.use_batched), stream)
             return
+        if job.op is Op.LOAD_LAYER and job.support.variant == self.DMA:
+            layer = job.layers.start
+            v_dst = pool.layers(1)[layer].data_ptr() if pool.v_ptrs is not None else 0
+            self.lib.load_layer_dma(pool.layers(0)[layer].data_ptr(), v_dst, layer, host_base,
+                                    layout, h.data_ptr(), d.data_ptr(), h.numel(),
+                                    int(self.use_batched), stream)
+            return
         layers = job.layers
         direction = DEVICE_TO_HOST if job.op is Op.WRITE_BACK else HOST_TO_DEVICE
         self.lib.transfer_direct(direction, k_ptrs, v_ptrs, layers.start, len(layers),
@@ -123,7 +136,8 @@ STAGED_MIN_PAGE_BYTES = 64 << 10
 
 def native_ops(staging_bytes: int = DEFAULT_STAGING_BYTES,
                staged_min_page_bytes: int = STAGED_MIN_PAGE_BYTES,
-               element_alignment: int = 16) -> tuple[OpSupport, ...]:
+               element_alignment: int = 16,
+               dma_load_layouts: tuple[Layout, ...] = ()) -> tuple[OpSupport, ...]:
     """The operation variants every implementation of the native ABI declares.
 
     Write-back has two variants chosen per call by page size: ``staged`` (device gather into
@@ -131,12 +145,21 @@ def native_ops(staging_bytes: int = DEFAULT_STAGING_BYTES,
     since the copy destinations are computed there) for pages of at least
     ``staged_min_page_bytes``, and ``direct`` (one kernel storing straight into pinned host
     memory; both index sets on the device) below that and for layouts whose pages are not
-    contiguous. Loads are direct kernels reading pinned host memory.
+    contiguous. Loads are direct kernels reading pinned host memory, except per-layer loads
+    from ``dma_load_layouts``, declared first and so preferred: the ``dma`` variant has the
+    copy engine move each run of consecutive slots (both index sets on the CPU, since the copy
+    addresses are computed there); it needs the library's optional ``kvio_load_layer_dma``.
     """
     kinds = (Kind.MHA, Kind.MLA)
     contiguous = (Layout.PAGE_FIRST, Layout.PAGE_FIRST_DIRECT, Layout.PAGE_HEAD)
     common = {"element_alignment": element_alignment}
+    on_cpu = IndexSpec(Residency.HOST, (torch.int64,))
+    dma = (OpSupport(op=Op.LOAD_LAYER, kinds=frozenset(kinds),
+                     layouts=frozenset(dma_load_layouts), host_index=on_cpu,
+                     device_index=on_cpu, variant=NativeBackend.DMA, batched_memcpy=True,
+                     **common),) if dma_load_layouts else ()
     return (
+        *dma,
         OpSupport(op=Op.WRITE_BACK, kinds=frozenset(kinds), layouts=frozenset(contiguous),
                   host_index=IndexSpec(Residency.HOST, (torch.int64,)),
                   device_index=IndexSpec(Residency.DEVICE), variant="staged", staged=True,

@@ -19,7 +19,8 @@ from typing import Any
 
 from kvcore.errors import BuildError, InvalidArgument, KernelError
 
-__all__ = ["ABI_VERSION", "KvioLayout", "NativeLibrary", "PROTOTYPES", "make_layout"]
+__all__ = ["ABI_VERSION", "KvioLayout", "NativeLibrary", "OPTIONAL_PROTOTYPES", "PROTOTYPES",
+           "make_layout"]
 
 #: the ABI version this binding speaks (kvio_abi_version() must return it)
 ABI_VERSION = 1
@@ -136,6 +137,22 @@ PROTOTYPES: dict[str, tuple[Any, tuple[Any, ...]]] = {
     )),
 }
 
+#: functions a library may export on top of PROTOTYPES (each has a ``has_...`` query)
+OPTIONAL_PROTOTYPES: dict[str, tuple[Any, tuple[Any, ...]]] = {
+    "kvio_load_layer_dma": (_c.c_int, (
+        _c.c_void_p,    # k_dst (device address of the layer's K tensor)
+        _c.c_void_p,    # v_dst (V tensor, NULL for MLA)
+        _c.c_int32,     # layer
+        _c.c_void_p,    # host_base
+        KvioLayout,     # layout (by value)
+        _c.c_void_p,    # host_idx_cpu (int64, CPU memory)
+        _c.c_void_p,    # dev_idx_cpu (int64, CPU memory)
+        _c.c_int64,     # n_tokens
+        _c.c_int,       # use_batched
+        _c.c_void_p,    # stream
+    )),
+}
+
 
 class NativeLibrary:
     """A loaded library implementing the native ABI.
@@ -172,10 +189,15 @@ class NativeLibrary:
         return str(self.path) if self.path is not None else repr(self._lib)
 
     def _bind(self) -> None:
-        for function, (restype, argtypes) in PROTOTYPES.items():
+        self.optional: frozenset[str] = frozenset(
+            f for f in OPTIONAL_PROTOTYPES if hasattr(self._lib, f))
+        for function, (restype, argtypes) in (*PROTOTYPES.items(),
+                                              *OPTIONAL_PROTOTYPES.items()):
             try:
                 fn = getattr(self._lib, function)
             except AttributeError:
+                if function in OPTIONAL_PROTOTYPES:
+                    continue
                 raise BuildError(f"{self._where()} does not export {function} (a stale or "
                                  f"foreign library; rebuild the {self.name} library)") from None
             if isinstance(fn, ctypes._CFuncPtr):
@@ -195,6 +217,10 @@ class NativeLibrary:
         """Whether the loaded runtime (and driver) offer the batched async memcpy
         (cudaMemcpyBatchAsync / hipMemcpyBatchAsync)."""
         return bool(int(self._lib.kvio_has_batched_memcpy()))
+
+    def has_load_layer_dma(self) -> bool:
+        """Whether the library exports the optional ``kvio_load_layer_dma``."""
+        return "kvio_load_layer_dma" in self.optional
 
     def error_string(self, code: int) -> str:
         """The runtime's message for status ``code``."""
@@ -276,3 +302,32 @@ class NativeLibrary:
             _ptr("stream", stream),
         )
         self.check("kvio_write_back_staged", status)
+
+    def load_layer_dma(self, k_dst: int, v_dst: int | None, layer: int, host_base: int,
+                       layout: KvioLayout | Mapping[str, int], host_idx_cpu: int,
+                       dev_idx_cpu: int, n_tokens: int, use_batched: int | bool,
+                       stream: int | None) -> None:
+        """``kvio_load_layer_dma`` (optional): layer ``layer`` of ``n_tokens`` token pairs from
+        the host buffer into the layer's device tensors ``k_dst``/``v_dst``, by the copy engine.
+
+        Both index arrays are int64 in CPU memory; runs of consecutive slots become one copy
+        each, submitted in one batch when ``use_batched`` and the runtime has it. Raises
+        BuildError when the library lacks the function, InvalidArgument before any call for an
+        argument out of range, KernelError when the library returns a nonzero status.
+        """
+        if not self.has_load_layer_dma():
+            raise BuildError(f"{self._where()} does not export kvio_load_layer_dma (a stale "
+                             f"library; rebuild the {self.name} library)")
+        status = self._lib.kvio_load_layer_dma(
+            _ptr("k_dst", k_dst),
+            _ptr("v_dst", v_dst),
+            ctypes.c_int32(_int("layer", layer, _INT32)),
+            _ptr("host_base", host_base),
+            make_layout(layout),
+            _ptr("host_idx_cpu", host_idx_cpu),
+            _ptr("dev_idx_cpu", dev_idx_cpu),
+            ctypes.c_int64(_int("n_tokens", n_tokens, _INT64)),
+            _flag("use_batched", use_batched),
+            _ptr("stream", stream),
+        )
+        self.check("kvio_load_layer_dma", status)

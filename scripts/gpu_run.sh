@@ -12,7 +12,9 @@
 # The seed bench stops starting cases SEED_MARGIN_S (default 60) before the deadline; the
 # reference takes ~85 % of its time, SEED_REFERENCE_REPEAT=1 times its rows once.
 # probe: scripts/probe_layer_load.py once per kernel build setting in PROBE_TUNES
-# (';'-separated KVIO_CUDA_TUNE values, '' = the shipped defaults).
+# (';'-separated KVIO_CUDA_TUNE values, '' = the shipped defaults). probe_h2d: the standalone
+# copy-path probe (scripts/probe_h2d_paths.cu). issue: Python's cost per per-layer call.
+# quick: the seed rows issue 4 missed, cuda only (QUICK_ARGS replaces the axes).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-results}
@@ -73,6 +75,17 @@ probe)
         tag=$(echo "${tune:-default}" | tr ',=' '_-')
         KVIO_CUDA_TUNE=$tune step "probe_$tag" 120 $PY scripts/probe_layer_load.py --json "$R/probe_$tag.json"
     done
+    ;;
+probe_h2d)
+    step probe_h2d_build 120 nvcc -O3 -std=c++17 -arch=sm_90a -o "$R/probe_h2d" scripts/probe_h2d_paths.cu
+    step probe_h2d 240 "$R/probe_h2d"
+    rm -f "$R/probe_h2d"
+    ;;
+issue)
+    step issue_cost 90 $PY scripts/probe_issue_cost.py
+    ;;
+quick)
+    step bench_quick 400 "${KVIO[@]}" bench --preset seed --backend cuda ${QUICK_ARGS:---op load_layer,write_back --layout page_first,layer_first --num-layers 16,72 --element-dim 256,1024,2048} --warmup 1 --repeat 5 --markdown "$R/bench_quick.md" --json "$R/bench_quick.json"
     ;;
 *) echo "unknown stage $stage"; exit 2;;
 esac; done

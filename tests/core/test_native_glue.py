@@ -22,6 +22,9 @@ class RecordingLibrary:
     def write_back_staged(self, *args: Any) -> None:
         self.calls.append(("staged", args))
 
+    def load_layer_dma(self, *args: Any) -> None:
+        self.calls.append(("dma", args))
+
 
 class CpuNative(NativeBackend):
     def raw_stream(self, stream: Any) -> int:
@@ -47,9 +50,11 @@ def _shape(layout: str) -> tuple[int, ...]:
 def _run(backend: CpuNative, dev: DevicePool, host: HostPool, op: Op, variant: str,
          layer: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     from kvcore.backend import TransferJob
+    from kvcore.layout import Layout
     from kvcore.native import native_ops
 
-    support = next(s for s in native_ops() if s.op is op and s.variant == variant)
+    ops = native_ops(dma_load_layouts=(Layout.LAYER_FIRST,))
+    support = next(s for s in ops if s.op is op and s.variant == variant)
     h = torch.arange(16, 32, dtype=torch.int64)
     d = torch.arange(16, dtype=torch.int32)
     backend.run(TransferJob(op=op, support=support, device_pool=dev, host_buffer=host.buffer,
@@ -95,3 +100,33 @@ def test_the_layout_struct_is_built_once_per_host_geometry() -> None:
     _run(backend, dev, other, Op.LOAD_LAYER, "direct", layer=0)
     third = lib.calls[-1][1][6]
     assert third is not first and third.as_dict() == layout_fields(other.strides)
+
+
+def test_dma_load_of_one_layer_passes_that_layers_tensors_and_cpu_indices() -> None:
+    backend, lib, dev, host = _setup("layer_first")
+    host_idx, dev_idx = _run(backend, dev, host, Op.LOAD_LAYER, "dma", layer=2)
+    (name, args), = lib.calls
+    assert name == "dma"
+    k, v, layer, base, layout, h, d, n, batched, stream = args
+    assert (k, v, layer, base) == (dev.layers(0)[2].data_ptr(), dev.layers(1)[2].data_ptr(), 2,
+                                   host.buffer.data_ptr())
+    assert (h, d, n, batched, stream) == (host_idx.data_ptr(), dev_idx.data_ptr(), 16, 1, 0)
+    assert make_layout(layout).as_dict() == layout_fields(host.strides)
+
+
+def test_the_dma_variant_is_declared_first_with_both_index_sets_on_the_cpu() -> None:
+    import torch as _torch
+
+    from kvcore.capabilities import Residency
+    from kvcore.layout import Layout
+    from kvcore.native import native_ops
+
+    assert not [s for s in native_ops() if s.variant == "dma"]  # opt-in: kvio_rocm has none
+    ops = native_ops(dma_load_layouts=(Layout.LAYER_FIRST, Layout.PAGE_FIRST_DIRECT))
+    loads = [s for s in ops if s.op is Op.LOAD_LAYER]
+    assert [s.variant for s in loads] == ["dma", "direct"]
+    dma = loads[0]
+    assert dma.layouts == {Layout.LAYER_FIRST, Layout.PAGE_FIRST_DIRECT}
+    assert dma.host_index.residency is dma.device_index.residency is Residency.HOST
+    assert dma.host_index.dtypes == dma.device_index.dtypes == (_torch.int64,)
+    assert dma.batched_memcpy and not dma.staged

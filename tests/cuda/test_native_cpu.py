@@ -417,6 +417,14 @@ class FakeLib:
         return self.status
 
 
+class FakeDmaLib(FakeLib):
+    """A fake library that also exports the optional per-layer copy-engine load."""
+
+    def kvio_load_layer_dma(self, *args: Any) -> int:
+        self.calls.append(("kvio_load_layer_dma", args))
+        return self.status
+
+
 def _values(args: tuple[Any, ...]) -> list[Any]:
     return [a if isinstance(a, _native.KvioLayout) else a.value for a in args]
 
@@ -478,6 +486,34 @@ def test_write_back_staged_marshalling() -> None:
     assert values[:4] == [0x1000, 0x2000, 61, 0x3000]
     assert values[4].as_dict() == LAYOUT
     assert values[5:] == [0x4000, 0x5000, 0, 4096, 0x6000, 64 << 20, 1, 0x7000]
+
+
+def test_load_layer_dma_marshalling() -> None:
+    fake = FakeDmaLib()
+    lib = _native.NativeLibrary("fake.so", lib=fake)
+    assert lib.has_load_layer_dma()
+    lib.load_layer_dma(0x1000, None, 7, 0x3000, LAYOUT, 0x4000, 0x5000, 4096, True, 0x7000)
+    name, args = fake.calls[-1]
+    assert name == "kvio_load_layer_dma"
+    assert [type(a) for a in args] == [
+        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32, ctypes.c_void_p, _native.KvioLayout,
+        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p]
+    values = _values(args)
+    assert values[:4] == [0x1000, None, 7, 0x3000]
+    assert values[4].as_dict() == LAYOUT
+    assert values[5:] == [0x4000, 0x5000, 4096, 1, 0x7000]
+    with pytest.raises(InvalidArgument, match="layer"):
+        lib.load_layer_dma(1, 2, 1 << 31, 3, LAYOUT, 4, 5, 64, 1, 0)
+    with pytest.raises(KernelError, match=r"^kvio_load_layer_dma: an illegal memory"):
+        _native.NativeLibrary("fake.so", lib=FakeDmaLib(status=700)).load_layer_dma(
+            1, 2, 0, 3, LAYOUT, 4, 5, 64, 1, 0)
+
+
+def test_a_library_without_the_optional_dma_load_still_binds_and_says_so() -> None:
+    lib = _native.NativeLibrary("fake.so", lib=FakeLib())
+    assert not lib.has_load_layer_dma()
+    with pytest.raises(BuildError, match="does not export kvio_load_layer_dma"):
+        lib.load_layer_dma(1, 2, 0, 3, LAYOUT, 4, 5, 64, 1, 0)
 
 
 @pytest.mark.parametrize(
@@ -568,3 +604,26 @@ def test_real_library_refuses_bad_arguments_before_any_cuda_call(
     with pytest.raises(KernelError,
                        match=r"kvio_transfer_direct: invalid argument \(cuda error 1\)"):
         real_library.transfer_direct(0, 0, 0, 0, 1, 1, layout, 1, 0, 1, 0, 64, 0)
+
+
+def test_real_library_dma_load_refuses_bad_arguments_before_any_cuda_call(
+        real_library: _native.NativeLibrary) -> None:
+    assert real_library.has_load_layer_dma()
+    raw = real_library._lib
+    layout = _native.KvioLayout.from_fields(LAYOUT)
+    # NULL destination, negative layer, negative n_tokens, NULL indices: invalid value (1)
+    assert raw.kvio_load_layer_dma(None, 0, 0, 1, layout, 1, 1, 64, 1, None) == 1
+    assert raw.kvio_load_layer_dma(1, 0, -1, 1, layout, 1, 1, 64, 1, None) == 1
+    assert raw.kvio_load_layer_dma(1, 0, 0, 1, layout, 1, 1, -1, 1, None) == 1
+    assert raw.kvio_load_layer_dma(1, 0, 0, 1, layout, None, 1, 64, 1, None) == 1
+    # an element split into chunks apart on the host (page_head) is no contiguous copy
+    split = _native.KvioLayout.from_fields(LAYOUT, chunk_bytes=64, num_chunks=4,
+                                           chunk_stride=4096)
+    assert raw.kvio_load_layer_dma(1, 0, 0, 1, split, 1, 1, 64, 1, None) == 1
+    # a negative index is refused before any copy is issued
+    h = (ctypes.c_int64 * 2)(0, -5)
+    d = (ctypes.c_int64 * 2)(0, 1)
+    assert raw.kvio_load_layer_dma(1, 0, 0, 1, layout, ctypes.addressof(h),
+                                   ctypes.addressof(d), 2, 1, None) == 1
+    # nothing to do is a success without touching the device
+    assert raw.kvio_load_layer_dma(1, 0, 0, 1, layout, None, None, 0, 1, None) == 0

@@ -22,6 +22,7 @@ from kvcore.capabilities import (
     HostMemory,
     Unavailable,
 )
+from kvcore.layout import Layout
 from kvcore.native import native_ops
 
 __version__ = "0.1.0"
@@ -55,6 +56,9 @@ def check_availability() -> Availability:
     return Available(f"{torch.cuda.get_device_name()} (sm_{cc[0]}{cc[1]}), nvcc {nvcc}")
 
 
+#: host layouts whose per-layer loads use the copy engine (the ``dma`` variant)
+DMA_LOAD_LAYOUTS = (Layout.LAYER_FIRST, Layout.PAGE_FIRST_DIRECT)
+
 CAPABILITIES = Capabilities(
     name="cuda",
     version=__version__,
@@ -62,11 +66,14 @@ CAPABILITIES = Capabilities(
     platform="cuda",
     priority=100,
     probe=check_availability,
-    ops=native_ops(),
+    # per-layer loads from layouts that keep a layer's tokens back to back go through the copy
+    # engine (contiguous DMA beats SMs reading pinned memory); the rest use the direct kernel
+    ops=native_ops(dma_load_layouts=DMA_LOAD_LAYOUTS),
     host_memory=HostMemory.PINNED,
     device_types=frozenset({"cuda"}),
     description="NVIDIA kernels: staged batched-memcpy and direct non-temporal write-back, "
-                "zero-copy loads",
+                "copy-engine per-layer loads where a layer is contiguous, zero-copy loads "
+                "elsewhere",
 )
 
 

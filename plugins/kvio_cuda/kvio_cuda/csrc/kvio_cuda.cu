@@ -480,14 +480,18 @@ cudaError_t side_stream(int device, cudaStream_t* out) {
 // -------- cudaMemcpyBatchAsync, resolved at run time from the cudart we are linked to ------
 
 #if CUDART_VERSION >= 13000
-// CUDA 13.0: the failIdx argument is gone.
+// CUDA 13.0: the failIdx arguments are gone.
 typedef cudaError_t (*BatchFn)(void* const*, const void* const*, const size_t*, size_t,
                                cudaMemcpyAttributes*, size_t*, size_t, cudaStream_t);
+typedef cudaError_t (*Batch3DFn)(size_t, cudaMemcpy3DBatchOp*, unsigned long long,
+                                 cudaStream_t);
 #define KVIO_HAVE_BATCH 1
 #elif CUDART_VERSION >= 12080
 // CUDA 12.8 / 12.9: ..., size_t numAttrs, size_t* failIdx, cudaStream_t stream.
 typedef cudaError_t (*BatchFn)(void* const*, const void* const*, const size_t*, size_t,
                                cudaMemcpyAttributes*, size_t*, size_t, size_t*, cudaStream_t);
+typedef cudaError_t (*Batch3DFn)(size_t, cudaMemcpy3DBatchOp*, size_t*, unsigned long long,
+                                 cudaStream_t);
 #define KVIO_HAVE_BATCH 1
 #else
 #define KVIO_HAVE_BATCH 0
@@ -496,24 +500,20 @@ typedef cudaError_t (*BatchFn)(void* const*, const void* const*, const size_t*, 
 #if KVIO_HAVE_BATCH
 std::once_flag g_batch_once;
 BatchFn g_batch_fn = nullptr;
+Batch3DFn g_batch3d_fn = nullptr;
 bool g_batch_disabled = false;  // set when the driver refuses it; guarded by g_mutex
 
 // Only the libcudart this library was linked against is searched: its SONAME carries the
-// major version the BatchFn signature above was chosen for. dladdr on one of its functions
-// finds that exact library even when it was loaded RTLD_LOCAL (ctypes, torch wheels).
-void resolve_batch() {
-    int driver = 0;
-    if (cudaDriverGetVersion(&driver) != cudaSuccess || driver < 12080) {
-        (void)cudaGetLastError();
-        return;  // the driver has no cuMemcpyBatchAsync behind the runtime's entry point
-    }
+// major version the signatures above were chosen for. dladdr on one of its functions finds
+// that exact library even when it was loaded RTLD_LOCAL (ctypes, torch wheels).
+void* cudart_symbol(const char* name) {
     void* sym = nullptr;
     Dl_info info = {};
     if (dladdr(reinterpret_cast<void*>(&cudaGetErrorString), &info) != 0 &&
         info.dli_fname != nullptr) {
         void* handle = dlopen(info.dli_fname, RTLD_NOW | RTLD_NOLOAD);
         if (handle != nullptr) {
-            sym = dlsym(handle, "cudaMemcpyBatchAsync");
+            sym = dlsym(handle, name);
             dlclose(handle);  // drops only the reference taken by RTLD_NOLOAD
         }
     }
@@ -521,11 +521,21 @@ void resolve_batch() {
         const char* soname = CUDART_VERSION >= 13000 ? "libcudart.so.13" : "libcudart.so.12";
         void* handle = dlopen(soname, RTLD_NOW | RTLD_NOLOAD);
         if (handle != nullptr) {
-            sym = dlsym(handle, "cudaMemcpyBatchAsync");
+            sym = dlsym(handle, name);
             dlclose(handle);
         }
     }
-    g_batch_fn = reinterpret_cast<BatchFn>(sym);
+    return sym;
+}
+
+void resolve_batch() {
+    int driver = 0;
+    if (cudaDriverGetVersion(&driver) != cudaSuccess || driver < 12080) {
+        (void)cudaGetLastError();
+        return;  // the driver has no cuMemcpyBatchAsync behind the runtime's entry point
+    }
+    g_batch_fn = reinterpret_cast<BatchFn>(cudart_symbol("cudaMemcpyBatchAsync"));
+    g_batch3d_fn = reinterpret_cast<Batch3DFn>(cudart_symbol("cudaMemcpy3DBatchAsync"));
 }
 
 BatchFn batch_fn() {
@@ -534,9 +544,20 @@ BatchFn batch_fn() {
     return g_batch_disabled ? nullptr : g_batch_fn;
 }
 
+Batch3DFn batch3d_fn() {
+    std::call_once(g_batch_once, resolve_batch);
+    std::lock_guard<std::mutex> lock(g_mutex);
+    return g_batch_disabled ? nullptr : g_batch3d_fn;
+}
+
 void disable_batch() {
     std::lock_guard<std::mutex> lock(g_mutex);
     g_batch_disabled = true;
+}
+
+// The runtime has the batched entry points but the driver refuses them.
+bool batch_refused(cudaError_t err) {
+    return err == cudaErrorNotSupported || err == cudaErrorCallRequiresNewerDriver;
 }
 #endif
 
@@ -755,7 +776,7 @@ cudaError_t issue_copies(const char* buf, int64_t p0, int64_t cp, int num_kv,
         const cudaError_t err = fn(dsts.data(), srcs.data(), sizes.data(), sizes.size(), &attr,
                                    &attr_idx, 1, &fail_idx, stream);
 #endif
-        if (err != cudaErrorNotSupported && err != cudaErrorCallRequiresNewerDriver) {
+        if (!batch_refused(err)) {
             return err;
         }
         // The runtime has it but the driver does not: use plain copies from now on.
@@ -927,6 +948,18 @@ cudaError_t write_back_staged(const uint64_t* k_ptrs, const uint64_t* v_ptrs,
     }
     const int64_t slot_bytes = num_kv * page_bytes;  // one page of K (and V) in staging
     const int64_t capacity = staging_bytes / slot_bytes;
+    if (num_kv == 2 && capacity < 2 && staging_bytes >= page_bytes) {
+        // A page of K and V together does not fit twice, so the gather of one page could not
+        // overlap the copy of the previous one (or does not fit at all): stage all of K, then
+        // all of V, each pipelined where its own pages fit twice.
+        KVIO_CHECK(write_back_staged(k_ptrs, nullptr, num_layers, host_base, layout,
+                                     host_idx_cpu, dev_idx, dev_idx_64, n_tokens, staging,
+                                     staging_bytes, use_batched, stream));
+        return write_back_staged(v_ptrs, nullptr, num_layers,
+                                 static_cast<char*>(host_base) + layout.kv_stride, layout,
+                                 host_idx_cpu, dev_idx, dev_idx_64, n_tokens, staging,
+                                 staging_bytes, use_batched, stream);
+    }
     if (capacity < 1) {
         return cudaErrorInvalidValue;  // the staging buffer cannot hold a single page
     }
@@ -1011,6 +1044,147 @@ cudaError_t write_back_staged(const uint64_t* k_ptrs, const uint64_t* v_ptrs,
     return pipe.join();
 }
 
+// Per-layer load through the copy engine: no SM reads pinned memory. Consecutive tokens
+// whose host and device slots both advance by one form a run. Where the host keeps one
+// layer's tokens back to back (layer_first, page_first_direct) a run is one contiguous copy;
+// where it interleaves layers (page_first) a run is one 2D copy of `rows` elements, host rows
+// token_stride bytes apart. All runs of the call go to the runtime in one batch when it has
+// the batched entry points, else one copy call each.
+cudaError_t load_layer_dma(char* k_dst, char* v_dst, int32_t layer, void* host_base,
+                           const kvio_layout& L, const int64_t* host_idx_cpu,
+                           const int64_t* dev_idx_cpu, int64_t n_tokens, int use_batched,
+                           void* stream) {
+    if (k_dst == nullptr || host_base == nullptr || layer < 0 || n_tokens < 0 ||
+        !layout_ok(L) || (L.num_chunks > 1 && L.chunk_stride != L.chunk_bytes)) {
+        return cudaErrorInvalidValue;  // the last: an element must be contiguous on the host
+    }
+    if (n_tokens == 0) {
+        return cudaSuccess;
+    }
+    if (host_idx_cpu == nullptr || dev_idx_cpu == nullptr) {
+        return cudaErrorInvalidValue;
+    }
+    const int64_t P = L.page_size;
+    const int64_t elem = L.chunk_bytes * L.num_chunks;
+    const bool flat = L.token_stride == elem;
+    const bool pages_abut = L.page_stride == P * L.token_stride;
+
+    struct Run {
+        int64_t h, d, rows;
+    };
+    thread_local std::vector<Run> runs;
+    runs.clear();
+    for (int64_t i = 0; i < n_tokens;) {
+        const int64_t h0 = host_idx_cpu[i], d0 = dev_idx_cpu[i];
+        if (h0 < 0 || d0 < 0) {
+            return cudaErrorInvalidValue;
+        }
+        int64_t j = i + 1;
+        while (j < n_tokens && host_idx_cpu[j] == host_idx_cpu[j - 1] + 1 &&
+               dev_idx_cpu[j] == dev_idx_cpu[j - 1] + 1 && (pages_abut || host_idx_cpu[j] % P)) {
+            ++j;
+        }
+        runs.push_back({h0, d0, j - i});
+        i = j;
+    }
+
+    cudaStream_t s = static_cast<cudaStream_t>(stream);
+    DeviceGuard guard;
+    KVIO_CHECK(guard.enter(s));
+    bool capturing = false;
+    if (!is_legacy_stream(s)) {
+        cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+        KVIO_CHECK(cudaStreamIsCapturing(s, &status));
+        capturing = status != cudaStreamCaptureStatusNone;
+    }
+    const bool batched = use_batched != 0 && !capturing && !is_legacy_stream(s);
+
+    const int num_kv = v_dst != nullptr ? 2 : 1;
+    thread_local std::vector<void*> dsts;
+    thread_local std::vector<const void*> srcs;
+    thread_local std::vector<size_t> sizes;
+    thread_local std::vector<cudaMemcpy3DBatchOp> ops;
+    dsts.clear();
+    srcs.clear();
+    sizes.clear();
+    ops.clear();
+    const char* host = static_cast<const char*>(host_base);
+    for (int kv = 0; kv < num_kv; ++kv) {
+        char* dev = kv ? v_dst : k_dst;
+        for (const Run& r : runs) {
+            const char* src = host + kv * L.kv_stride + layer * L.layer_stride +
+                              (r.h / P) * L.page_stride + (r.h % P) * L.token_stride;
+            char* dst = dev + r.d * elem;
+            if (flat) {
+                dsts.push_back(dst);
+                srcs.push_back(src);
+                sizes.push_back(static_cast<size_t>(r.rows * elem));
+            } else {
+                cudaMemcpy3DBatchOp op = {};
+                op.src.type = cudaMemcpyOperandTypePointer;
+                op.src.op.ptr.ptr = const_cast<char*>(src);
+                op.src.op.ptr.rowLength = static_cast<size_t>(L.token_stride);
+                op.dst.type = cudaMemcpyOperandTypePointer;
+                op.dst.op.ptr.ptr = dst;
+                op.dst.op.ptr.rowLength = static_cast<size_t>(elem);
+                op.extent = make_cudaExtent(static_cast<size_t>(elem),
+                                            static_cast<size_t>(r.rows), 1);
+                op.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+                ops.push_back(op);
+            }
+        }
+    }
+#if KVIO_HAVE_BATCH
+    if (batched && flat) {
+        if (BatchFn fn = batch_fn()) {
+            cudaMemcpyAttributes attr = {};
+            attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+            size_t attr_idx = 0;
+#if CUDART_VERSION >= 13000
+            const cudaError_t err = fn(dsts.data(), srcs.data(), sizes.data(), sizes.size(),
+                                       &attr, &attr_idx, 1, s);
+#else
+            size_t fail_idx = 0;
+            const cudaError_t err = fn(dsts.data(), srcs.data(), sizes.data(), sizes.size(),
+                                       &attr, &attr_idx, 1, &fail_idx, s);
+#endif
+            if (!batch_refused(err)) {
+                return err;
+            }
+            (void)cudaGetLastError();
+            disable_batch();
+        }
+    }
+    if (batched && !flat) {
+        if (Batch3DFn fn = batch3d_fn()) {
+#if CUDART_VERSION >= 13000
+            const cudaError_t err = fn(ops.size(), ops.data(), 0, s);
+#else
+            size_t fail_idx = 0;
+            const cudaError_t err = fn(ops.size(), ops.data(), &fail_idx, 0, s);
+#endif
+            if (!batch_refused(err)) {
+                return err;
+            }
+            (void)cudaGetLastError();
+            disable_batch();
+        }
+    }
+#else
+    (void)batched;
+#endif
+    for (size_t i = 0; i < sizes.size(); ++i) {
+        KVIO_CHECK(cudaMemcpyAsync(dsts[i], srcs[i], sizes[i], cudaMemcpyHostToDevice, s));
+    }
+    for (const cudaMemcpy3DBatchOp& op : ops) {
+        KVIO_CHECK(cudaMemcpy2DAsync(op.dst.op.ptr.ptr, op.dst.op.ptr.rowLength,
+                                     op.src.op.ptr.ptr, op.src.op.ptr.rowLength,
+                                     op.extent.width, op.extent.height,
+                                     cudaMemcpyHostToDevice, s));
+    }
+    return cudaSuccess;
+}
+
 // A failed runtime call also leaves its (non-sticky) code in the runtime's last-error slot,
 // which the process may share with torch; the code is returned to the caller instead, so
 // the slot is cleared rather than blamed later on an unrelated launch.
@@ -1041,4 +1215,13 @@ KVIO_API int kvio_write_back_staged(const uint64_t* k_ptrs, const uint64_t* v_pt
     return finish(write_back_staged(k_ptrs, v_ptrs, num_layers, host_base, layout,
                                     host_idx_cpu, dev_idx, dev_idx_64, n_tokens, staging,
                                     staging_bytes, use_batched, stream));
+}
+
+KVIO_API int kvio_load_layer_dma(void* k_dst, void* v_dst, int32_t layer, void* host_base,
+                                 kvio_layout layout, const int64_t* host_idx_cpu,
+                                 const int64_t* dev_idx_cpu, int64_t n_tokens, int use_batched,
+                                 void* stream) {
+    return finish(load_layer_dma(static_cast<char*>(k_dst), static_cast<char*>(v_dst), layer,
+                                 host_base, layout, host_idx_cpu, dev_idx_cpu, n_tokens,
+                                 use_batched, stream));
 }

@@ -1,0 +1,129 @@
+"""kvio_cuda's copy-engine per-layer load and its K/V-split staged write-back, against the
+reference on the GPU (CUDA machines only; skipped with the reason elsewhere).
+
+The conformance suite (`kvio check cuda`) covers both variants through the capability records;
+these tests aim at what it cannot choose: index patterns that split and merge copy runs, and a
+staging budget small enough that one page of K and V together does not fit twice.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvcore import DevicePool, HostPool
+from kvcore.cli.backends import default_device
+from kvcore.layout import Op
+from kvcore.plan import TransferPlan
+from kvcore.registry import default_registry, make_request
+from kvcore.verify import random_fill
+
+DEVICE = default_device()
+PAGE, LAYERS, POOL_PAGES = 64, 6, 48
+
+
+def _cuda_available() -> bool:
+    if DEVICE.type != "cuda":
+        return False
+    try:
+        return bool(default_registry().availability("cuda"))
+    except Exception:  # noqa: BLE001 - not installed: skip with the reason below
+        return False
+
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not _cuda_available(), reason=f"kvio_cuda is not available on {DEVICE} "
+                                                     "(see `kvio backends`)"),
+]
+
+
+def _geometry(kind: str) -> tuple[int, int]:
+    return (4, 64) if kind == "mha" else (1, 576)  # 512-B and 1152-B elements in bf16
+
+
+def _pools(kind: str, layout: str, gen: torch.Generator) -> tuple[DevicePool, HostPool]:
+    heads, dim = _geometry(kind)
+    dev = DevicePool.allocate(kind, LAYERS, POOL_PAGES * PAGE, heads, dim, torch.bfloat16,
+                              DEVICE, PAGE)
+    host = HostPool.allocate(kind, layout, LAYERS, POOL_PAGES * PAGE, heads, dim,
+                             torch.bfloat16, PAGE, DEVICE, backend="cuda")
+    for t in (*dev.all_buffers(), host.buffer):
+        random_fill(t, gen)
+    return dev, host
+
+
+def _plan(op: Op, kind: str, layout: str, backend: str) -> TransferPlan:
+    heads, dim = _geometry(kind)
+    req = make_request(op, kind, layout, torch.bfloat16, heads * dim * 2, DEVICE)
+    return default_registry().resolve(req, backend)
+
+
+def _tokens(pages: list[int]) -> torch.Tensor:
+    p = torch.tensor(pages, dtype=torch.int64)
+    return (p[:, None] * PAGE + torch.arange(PAGE)).flatten()
+
+
+def _index_patterns(gen: torch.Generator) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    perm = torch.randperm(POOL_PAGES, generator=gen).tolist()
+    within = _tokens([3, 4])
+    shuffled = within[torch.randperm(within.numel(), generator=gen)]
+    return {
+        # runs of several pages contiguous on both sides (merged into one copy each)
+        "adjacent": (_tokens([5, 6, 7, 20, 21]), _tokens([30, 31, 32, 1, 2])),
+        # scattered pages, host in reverse order
+        "scattered": (_tokens(perm[:17])[::-1].contiguous(), _tokens(perm[17:34])),
+        # single tokens: every run one element long
+        "tokens": (within, shuffled),
+        # two host pages into device slots that start mid-page (one run on a layer_first host)
+        "ragged": (_tokens([8, 9]), torch.arange(7, 7 + 2 * PAGE)),
+    }
+
+
+@pytest.mark.parametrize("kind", ["mha", "mla"])
+@pytest.mark.parametrize("layout", ["layer_first", "page_first_direct"])
+def test_dma_per_layer_load_equals_the_reference(kind: str, layout: str) -> None:
+    gen = torch.Generator().manual_seed(97)
+    plan = _plan(Op.LOAD_LAYER, kind, layout, "cuda")
+    assert plan.select(PAGE * 1024).variant == "dma"
+    ref = _plan(Op.LOAD_LAYER, kind, layout, "reference")
+    for name, (h, d) in _index_patterns(gen).items():
+        dev, host = _pools(kind, layout, gen)
+        before = dev.clone()
+        expected = dev.clone()
+        for layer in range(LAYERS):
+            plan.transfer(dev, host, h, d.to(DEVICE), layer=layer)
+            ref.transfer(expected, host, h, d.to(DEVICE), layer=layer)
+        torch.cuda.synchronize()
+        untouched = torch.ones(POOL_PAGES * PAGE, dtype=torch.bool, device=DEVICE)
+        untouched[d.to(DEVICE)] = False
+        for kv in range(2 if kind == "mha" else 1):
+            for layer in range(LAYERS):
+                got, want = dev.layers(kv)[layer], expected.layers(kv)[layer]
+                assert torch.equal(got.view(torch.int16), want.view(torch.int16)), \
+                    (name, kv, layer)
+                old = before.layers(kv)[layer]
+                assert torch.equal(got[untouched].view(torch.int16),
+                                   old[untouched].view(torch.int16)), (name, kv, layer)
+
+
+@pytest.mark.parametrize("staging_pages", [1, 3])  # per-K/V pages the staging buffer holds
+def test_staged_write_back_splits_k_and_v_when_a_page_pair_does_not_fit_twice(
+        staging_pages: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    gen = torch.Generator().manual_seed(11)
+    plan = _plan(Op.WRITE_BACK, "mha", "page_first", "cuda")
+    page_bytes = plan.page_bytes(PAGE, LAYERS)
+    assert plan.select(page_bytes).variant == "staged"
+    backend = plan.instance()
+    monkeypatch.setattr(backend, "staging_bytes", staging_pages * page_bytes + page_bytes // 2)
+    monkeypatch.setattr(backend, "_staging", {})
+    dev, host = _pools("mha", "page_first", gen)
+    want = host.buffer.clone()
+    h_pages = torch.randperm(POOL_PAGES, generator=gen)[:19].tolist()
+    d_pages = torch.randperm(POOL_PAGES, generator=gen)[:19].tolist()
+    h, d = _tokens(h_pages), _tokens(d_pages).to(DEVICE)
+    plan.transfer(dev, host, h, d)
+    expected = HostPool.wrap(want, "mha", "page_first", LAYERS, *_geometry("mha"), PAGE)
+    _plan(Op.WRITE_BACK, "mha", "page_first", "reference").transfer(dev, expected, h, d)
+    torch.cuda.synchronize()
+    assert torch.equal(host.buffer.view(torch.int16), expected.buffer.view(torch.int16))
