@@ -12,6 +12,7 @@
 //   zc         a zero-copy gather kernel reading pinned memory, plain launches
 //   zc_pdl     the same with programmatic dependent launch, waiting before any access
 //   zc_early   PDL, host loads of the first tile issued before griddepcontrol.wait
+//   zc_early_ev  zc_early with an event recorded after every layer (as the controller does)
 //
 // Prints one line per (path, shape): us per layer call, ratio to the ceiling, CPU us per call.
 //   nvcc -O3 -std=c++17 -arch=sm_90a -o probe scripts/probe_h2d_paths.cu && ./probe
@@ -180,6 +181,8 @@ int main() {
         CK(cudaHostAlloc((void**)&csrc, call_bytes * L, cudaHostAllocDefault));
         CK(cudaMalloc(&cdst, call_bytes * L));
 
+        cudaEvent_t layer_event;
+        CK(cudaEventCreateWithFlags(&layer_event, cudaEventDisableTiming));
         auto layer_call = [&](const char* path, int l) {
             if (!std::strcmp(path, "ceiling")) return;
             if (!std::strcmp(path, "dma1d") || !std::strcmp(path, "dma2d")) {
@@ -235,12 +238,14 @@ int main() {
             attr[0].val.programmaticStreamSerializationAllowed = 1;
             cfg.attrs = attr;
             int mode = !std::strcmp(path, "zc") ? 0 : (!std::strcmp(path, "zc_pdl") ? 1 : 2);
+            if (!std::strcmp(path, "zc_early_ev")) CK(cudaEventRecord(layer_event, s));
             cfg.numAttrs = mode == 0 ? 0 : 1;
             if (mode == 0) CK(cudaLaunchKernelEx(&cfg, gather<0>, g));
             if (mode == 1) CK(cudaLaunchKernelEx(&cfg, gather<1>, g));
             if (mode == 2) CK(cudaLaunchKernelEx(&cfg, gather<2>, g));
         };
-        for (const char* path : {"ceiling", "dma1d", "dma2d", "zc", "zc_pdl", "zc_early"}) {
+        for (const char* path :
+             {"ceiling", "dma1d", "dma2d", "zc", "zc_pdl", "zc_early", "zc_early_ev"}) {
             if (!std::strcmp(path, "dma1d") && sh.page_first) continue;
             if (!std::strcmp(path, "dma2d") && !sh.page_first) continue;
             if (std::strcmp(path, "ceiling")) {  // check every layer byte for byte
@@ -300,6 +305,7 @@ int main() {
             }
         }
         std::fflush(stdout);
+        CK(cudaEventDestroy(layer_event));
         for (int kv = 0; kv < sh.num_kv; ++kv) {
             for (char* p : dev_layers[kv]) CK(cudaFree(p));
             CK(cudaFree(dtab[kv]));
