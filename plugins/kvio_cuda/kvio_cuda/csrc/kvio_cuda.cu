@@ -733,6 +733,42 @@ bool page_is_contiguous(const kvio_layout& L, int32_t num_layers, int64_t page_b
     return expected == page_bytes;
 }
 
+// Enqueues the 1D copies dsts[i] <- srcs[i] of sizes[i] bytes: one cudaMemcpyBatchAsync when
+// `batched` and the runtime has it (never on the legacy NULL stream, which it refuses), else
+// one cudaMemcpyAsync each. A driver that refuses the batched call turns it off for good.
+cudaError_t copy_runs(const std::vector<void*>& dsts, const std::vector<const void*>& srcs,
+                      const std::vector<size_t>& sizes, cudaMemcpyKind kind, bool batched,
+                      cudaStream_t stream) {
+#if KVIO_HAVE_BATCH
+    BatchFn fn = batched && !is_legacy_stream(stream) ? batch_fn() : nullptr;
+    if (fn != nullptr && !sizes.empty()) {
+        cudaMemcpyAttributes attr = {};
+        attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+        size_t attr_idx = 0;
+        void* const* d = const_cast<void* const*>(dsts.data());
+#if CUDART_VERSION >= 13000
+        const cudaError_t err =
+            fn(d, srcs.data(), sizes.data(), sizes.size(), &attr, &attr_idx, 1, stream);
+#else
+        size_t fail_idx = 0;
+        const cudaError_t err = fn(d, srcs.data(), sizes.data(), sizes.size(), &attr,
+                                   &attr_idx, 1, &fail_idx, stream);
+#endif
+        if (!batch_refused(err)) {
+            return err;
+        }
+        (void)cudaGetLastError();
+        disable_batch();
+    }
+#else
+    (void)batched;
+#endif
+    for (size_t i = 0; i < sizes.size(); ++i) {
+        KVIO_CHECK(cudaMemcpyAsync(dsts[i], srcs[i], sizes[i], kind, stream));
+    }
+    return cudaSuccess;
+}
+
 // Issues the DMA copies of one staged chunk: pages [p0, p0 + cp) whose images sit in `buf`
 // as [kv][page] runs of page_bytes. Runs contiguous on both sides are merged.
 cudaError_t issue_copies(const char* buf, int64_t p0, int64_t cp, int num_kv,
@@ -760,37 +796,7 @@ cudaError_t issue_copies(const char* buf, int64_t p0, int64_t cp, int num_kv,
             }
         }
     }
-#if KVIO_HAVE_BATCH
-    // The batched API refuses the legacy NULL stream.
-    BatchFn fn = batched && !is_legacy_stream(stream) ? batch_fn() : nullptr;
-    if (fn != nullptr) {
-        cudaMemcpyAttributes attr = {};
-        attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
-        attr.flags = 0;
-        size_t attr_idx = 0;
-#if CUDART_VERSION >= 13000
-        const cudaError_t err =
-            fn(dsts.data(), srcs.data(), sizes.data(), sizes.size(), &attr, &attr_idx, 1, stream);
-#else
-        size_t fail_idx = 0;
-        const cudaError_t err = fn(dsts.data(), srcs.data(), sizes.data(), sizes.size(), &attr,
-                                   &attr_idx, 1, &fail_idx, stream);
-#endif
-        if (!batch_refused(err)) {
-            return err;
-        }
-        // The runtime has it but the driver does not: use plain copies from now on.
-        (void)cudaGetLastError();
-        disable_batch();
-    }
-#else
-    (void)batched;
-#endif
-    for (size_t i = 0; i < sizes.size(); ++i) {
-        KVIO_CHECK(
-            cudaMemcpyAsync(dsts[i], srcs[i], sizes[i], cudaMemcpyDeviceToHost, stream));
-    }
-    return cudaSuccess;
+    return copy_runs(dsts, srcs, sizes, cudaMemcpyDeviceToHost, batched, stream);
 }
 
 // Events of one pipelined staged write-back. The destructor releases them and, if the call
@@ -1103,11 +1109,16 @@ cudaError_t load_layer_dma(char* k_dst, char* v_dst, int32_t layer, void* host_b
     thread_local std::vector<void*> dsts;
     thread_local std::vector<const void*> srcs;
     thread_local std::vector<size_t> sizes;
-    thread_local std::vector<cudaMemcpy3DBatchOp> ops;
+    struct Rect {  // one 2D copy: `rows` rows of `elem` bytes, host rows `pitch` apart
+        char* dst;
+        const char* src;
+        int64_t rows;
+    };
+    thread_local std::vector<Rect> rects;
     dsts.clear();
     srcs.clear();
     sizes.clear();
-    ops.clear();
+    rects.clear();
     const char* host = static_cast<const char*>(host_base);
     for (int kv = 0; kv < num_kv; ++kv) {
         char* dev = kv ? v_dst : k_dst;
@@ -1120,67 +1131,45 @@ cudaError_t load_layer_dma(char* k_dst, char* v_dst, int32_t layer, void* host_b
                 srcs.push_back(src);
                 sizes.push_back(static_cast<size_t>(r.rows * elem));
             } else {
-                cudaMemcpy3DBatchOp op = {};
-                op.src.type = cudaMemcpyOperandTypePointer;
-                op.src.op.ptr.ptr = const_cast<char*>(src);
-                op.src.op.ptr.rowLength = static_cast<size_t>(L.token_stride);
-                op.dst.type = cudaMemcpyOperandTypePointer;
-                op.dst.op.ptr.ptr = dst;
-                op.dst.op.ptr.rowLength = static_cast<size_t>(elem);
-                op.extent = make_cudaExtent(static_cast<size_t>(elem),
-                                            static_cast<size_t>(r.rows), 1);
-                op.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
-                ops.push_back(op);
+                rects.push_back({dst, src, r.rows});
             }
         }
     }
+    if (flat) {
+        return copy_runs(dsts, srcs, sizes, cudaMemcpyHostToDevice, batched, s);
+    }
+    const size_t width = static_cast<size_t>(elem), pitch = static_cast<size_t>(L.token_stride);
 #if KVIO_HAVE_BATCH
-    if (batched && flat) {
-        if (BatchFn fn = batch_fn()) {
-            cudaMemcpyAttributes attr = {};
-            attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
-            size_t attr_idx = 0;
-#if CUDART_VERSION >= 13000
-            const cudaError_t err = fn(dsts.data(), srcs.data(), sizes.data(), sizes.size(),
-                                       &attr, &attr_idx, 1, s);
-#else
-            size_t fail_idx = 0;
-            const cudaError_t err = fn(dsts.data(), srcs.data(), sizes.data(), sizes.size(),
-                                       &attr, &attr_idx, 1, &fail_idx, s);
-#endif
-            if (!batch_refused(err)) {
-                return err;
-            }
-            (void)cudaGetLastError();
-            disable_batch();
+    if (Batch3DFn fn = batched ? batch3d_fn() : nullptr) {
+        thread_local std::vector<cudaMemcpy3DBatchOp> ops;
+        ops.assign(rects.size(), cudaMemcpy3DBatchOp{});
+        for (size_t i = 0; i < rects.size(); ++i) {
+            cudaMemcpy3DBatchOp& op = ops[i];
+            op.src.type = cudaMemcpyOperandTypePointer;
+            op.src.op.ptr.ptr = const_cast<char*>(rects[i].src);
+            op.src.op.ptr.rowLength = pitch;
+            op.dst.type = cudaMemcpyOperandTypePointer;
+            op.dst.op.ptr.ptr = rects[i].dst;
+            op.dst.op.ptr.rowLength = width;
+            op.extent = make_cudaExtent(width, static_cast<size_t>(rects[i].rows), 1);
+            op.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
         }
-    }
-    if (batched && !flat) {
-        if (Batch3DFn fn = batch3d_fn()) {
 #if CUDART_VERSION >= 13000
-            const cudaError_t err = fn(ops.size(), ops.data(), 0, s);
+        const cudaError_t err = fn(ops.size(), ops.data(), 0, s);
 #else
-            size_t fail_idx = 0;
-            const cudaError_t err = fn(ops.size(), ops.data(), &fail_idx, 0, s);
+        size_t fail_idx = 0;
+        const cudaError_t err = fn(ops.size(), ops.data(), &fail_idx, 0, s);
 #endif
-            if (!batch_refused(err)) {
-                return err;
-            }
-            (void)cudaGetLastError();
-            disable_batch();
+        if (!batch_refused(err)) {
+            return err;
         }
+        (void)cudaGetLastError();
+        disable_batch();
     }
-#else
-    (void)batched;
 #endif
-    for (size_t i = 0; i < sizes.size(); ++i) {
-        KVIO_CHECK(cudaMemcpyAsync(dsts[i], srcs[i], sizes[i], cudaMemcpyHostToDevice, s));
-    }
-    for (const cudaMemcpy3DBatchOp& op : ops) {
-        KVIO_CHECK(cudaMemcpy2DAsync(op.dst.op.ptr.ptr, op.dst.op.ptr.rowLength,
-                                     op.src.op.ptr.ptr, op.src.op.ptr.rowLength,
-                                     op.extent.width, op.extent.height,
-                                     cudaMemcpyHostToDevice, s));
+    for (const Rect& r : rects) {
+        KVIO_CHECK(cudaMemcpy2DAsync(r.dst, width, r.src, pitch, width,
+                                     static_cast<size_t>(r.rows), cudaMemcpyHostToDevice, s));
     }
     return cudaSuccess;
 }
