@@ -85,7 +85,8 @@ issue)
     step issue_cost 90 $PY scripts/probe_issue_cost.py
     ;;
 quick)
-    step bench_quick 400 "${KVIO[@]}" bench --preset seed --backend cuda ${QUICK_ARGS:---op load_layer,write_back --layout page_first,layer_first --num-layers 16,72 --element-dim 256,1024,2048} --warmup 1 --repeat 5 --markdown "$R/bench_quick.md" --json "$R/bench_quick.json"
+    budget=$(( ${DEADLINE_S:-100000} - SECONDS - ${SEED_MARGIN_S:-60} ))
+    step bench_quick ${SEED_S:-3600} "${KVIO[@]}" bench --preset seed --backend cuda ${QUICK_ARGS:---op load_layer,write_back --layout page_first,layer_first --num-layers 16,48,72,80} --warmup 1 --repeat 5 --time-limit "$budget" --markdown "$R/bench_quick.md" --json "$R/bench_quick.json"
     ;;
 *) echo "unknown stage $stage"; exit 2;;
 esac; done
