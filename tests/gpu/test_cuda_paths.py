@@ -83,9 +83,18 @@ def _index_patterns(gen: torch.Generator) -> dict[str, tuple[torch.Tensor, torch
 @pytest.mark.parametrize("kind", ["mha", "mla"])
 @pytest.mark.parametrize("layout", ["layer_first", "page_first_direct"])
 def test_dma_per_layer_load_equals_the_reference(kind: str, layout: str) -> None:
-    gen = torch.Generator().manual_seed(97)
-    plan = _plan(Op.LOAD_LAYER, kind, layout, "cuda")
+    import attrs
+
+    from kvcore.layout import Layout
+    from kvcore.native import native_ops
+
+    # the dma variant first, whatever kvio_cuda.DMA_LOAD_LAYOUTS ships with
+    ops = native_ops(dma_load_layouts=(Layout.LAYER_FIRST, Layout.PAGE_FIRST_DIRECT))
+    dma = next(v for v in ops if v.variant == "dma")
+    base = _plan(Op.LOAD_LAYER, kind, layout, "cuda")
+    plan = attrs.evolve(base, variants=(dma, *base.variants))
     assert plan.select(PAGE * 1024).variant == "dma"
+    gen = torch.Generator().manual_seed(97)
     ref = _plan(Op.LOAD_LAYER, kind, layout, "reference")
     for name, (h, d) in _index_patterns(gen).items():
         dev, host = _pools(kind, layout, gen)

@@ -56,8 +56,11 @@ def check_availability() -> Availability:
     return Available(f"{torch.cuda.get_device_name()} (sm_{cc[0]}{cc[1]}), nvcc {nvcc}")
 
 
-#: host layouts whose per-layer loads use the copy engine (the ``dma`` variant)
-DMA_LOAD_LAYOUTS = (Layout.LAYER_FIRST, Layout.PAGE_FIRST_DIRECT)
+#: host layouts whose per-layer loads use the copy engine (the ``dma`` variant). Empty until
+#: the variant has passed `kvio check cuda` on a GPU; the candidates are layer_first and
+#: page_first_direct, whose layer slice of a page is contiguous (tests/gpu/test_cuda_paths.py
+#: and scripts/probe_h2d_paths.cu measure and check it).
+DMA_LOAD_LAYOUTS: tuple[Layout, ...] = ()
 
 CAPABILITIES = Capabilities(
     name="cuda",
@@ -72,8 +75,8 @@ CAPABILITIES = Capabilities(
     host_memory=HostMemory.PINNED,
     device_types=frozenset({"cuda"}),
     description="NVIDIA kernels: staged batched-memcpy and direct non-temporal write-back, "
-                "copy-engine per-layer loads where a layer is contiguous, zero-copy loads "
-                "elsewhere",
+                "zero-copy loads" + (", copy-engine per-layer loads where a layer is contiguous"
+                                     if DMA_LOAD_LAYOUTS else ""),
 )
 
 
