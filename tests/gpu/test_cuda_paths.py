@@ -72,7 +72,7 @@ def _index_patterns(gen: torch.Generator) -> dict[str, tuple[torch.Tensor, torch
         # runs of several pages contiguous on both sides (merged into one copy each)
         "adjacent": (_tokens([5, 6, 7, 20, 21]), _tokens([30, 31, 32, 1, 2])),
         # scattered pages, host in reverse order
-        "scattered": (_tokens(perm[:17])[::-1].contiguous(), _tokens(perm[17:34])),
+        "scattered": (_tokens(perm[:17][::-1]), _tokens(perm[17:34])),
         # single tokens: every run one element long
         "tokens": (within, shuffled),
         # two host pages into device slots that start mid-page (one run on a layer_first host)
