@@ -380,6 +380,17 @@ const CopyKernel kCopyKernels[2][5][2] = {
 
 bool is_legacy_stream(cudaStream_t s) { return s == nullptr || s == cudaStreamLegacy; }
 
+// Whether `stream` is being captured into a graph (the legacy NULL stream never is).
+cudaError_t is_capturing(cudaStream_t stream, bool* out) {
+    *out = false;
+    if (!is_legacy_stream(stream)) {
+        cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+        KVIO_CHECK(cudaStreamIsCapturing(stream, &status));
+        *out = status != cudaStreamCaptureStatusNone;
+    }
+    return cudaSuccess;
+}
+
 // Makes the device of `stream` current for the scope (kernels and streams must be launched
 // and created on their own device; a caller's background thread may have another current
 // device) and restores the caller's device afterwards.
@@ -672,9 +683,9 @@ cudaError_t launch_copy(int direction, CopyParams p, int num_kv, int64_t n_token
     // not capture programmatic edges).
     bool pdl = info.pdl && pdl_enabled_by_env() && !is_legacy_stream(stream);
     if (pdl) {
-        cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-        KVIO_CHECK(cudaStreamIsCapturing(stream, &capture));
-        pdl = capture == cudaStreamCaptureStatusNone;
+        bool capturing = false;
+        KVIO_CHECK(is_capturing(stream, &capturing));
+        pdl = !capturing;
     }
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = dim3(grid);
@@ -976,11 +987,7 @@ cudaError_t write_back_staged(const uint64_t* k_ptrs, const uint64_t* v_ptrs,
 
     // A captured stream stays on one stream (no side-stream fork, no batched API).
     bool capturing = false;
-    if (!is_legacy_stream(s)) {
-        cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-        KVIO_CHECK(cudaStreamIsCapturing(s, &status));
-        capturing = status != cudaStreamCaptureStatusNone;
-    }
+    KVIO_CHECK(is_capturing(s, &capturing));
     const bool batched = use_batched != 0 && !capturing;
     const bool pipelined =
         !capturing && capacity >= 2 && num_pages >= 2 &&
@@ -1098,11 +1105,7 @@ cudaError_t load_layer_dma(char* k_dst, char* v_dst, int32_t layer, void* host_b
     DeviceGuard guard;
     KVIO_CHECK(guard.enter(s));
     bool capturing = false;
-    if (!is_legacy_stream(s)) {
-        cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-        KVIO_CHECK(cudaStreamIsCapturing(s, &status));
-        capturing = status != cudaStreamCaptureStatusNone;
-    }
+    KVIO_CHECK(is_capturing(s, &capturing));
     const bool batched = use_batched != 0 && !capturing && !is_legacy_stream(s);
 
     const int num_kv = v_dst != nullptr ? 2 : 1;
