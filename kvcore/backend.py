@@ -22,7 +22,15 @@ if TYPE_CHECKING:
 
 @attrs.frozen
 class TransferJob:
-    """One validated, placed transfer. ``layer`` is set for LOAD_LAYER only."""
+    """One validated, placed transfer. ``layer`` is set for LOAD_LAYER only.
+
+    ``chained`` is a promise from the caller: the work enqueued on ``stream`` just before this
+    job is an earlier job of the same load (the same host pool and placed indices, another
+    layer or pool-group member), with nothing in between but event records. Such a job writes
+    only device-pool layers other than this job's, so a backend may start reading the host
+    pool and the indices before it has finished (kvio_cuda does, see docs/native-abi.md).
+    Ignoring it is always correct.
+    """
 
     op: Op
     support: OpSupport
@@ -34,6 +42,7 @@ class TransferJob:
     device_indices: torch.Tensor
     layer: int | None = None
     stream: Any = None
+    chained: bool = False
 
     @property
     def kind(self) -> Kind:

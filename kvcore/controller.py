@@ -331,11 +331,13 @@ class HiCacheController:
             for i, m in enumerate(self.members):
                 plan, g = self.plans[(i, op)], m.host.geometry
                 placed.append(plan.place(h, d, plan.page_bytes(g.page_size, g.num_layers)))
-            for layer in layers:
+            for n, layer in enumerate(layers):
                 done = []
                 for i, m in enumerate(self.members):
+                    # every launch of one per-layer load after its first follows another
                     result = self.plans[(i, op)].run(placed[i], m.device, m.host, layer=layer,
-                                                     stream=stream)
+                                                     stream=stream,
+                                                     chained=op is Op.LOAD_LAYER and n + i > 0)
                     if result is not None:
                         done.append(result)
                 event = new_event(self.device)

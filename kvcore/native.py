@@ -31,7 +31,7 @@ class NativeLibrary(Protocol):
     def transfer_direct(self, direction: int, k_ptrs: int, v_ptrs: int, layer_begin: int,
                         layer_count: int, host_base: int, layout: Any, host_idx: int,
                         host_idx_64: int, dev_idx: int, dev_idx_64: int, n_tokens: int,
-                        stream: int) -> None: ...
+                        stream: int, chained: bool = False) -> None: ...
 
     def write_back_staged(self, k_ptrs: int, v_ptrs: int, num_layers: int, host_base: int,
                           layout: Any, host_idx_cpu: int, dev_idx: int, dev_idx_64: int,
@@ -127,7 +127,7 @@ class NativeBackend:
         direction = DEVICE_TO_HOST if job.op is Op.WRITE_BACK else HOST_TO_DEVICE
         self.lib.transfer_direct(direction, k_ptrs, v_ptrs, layers.start, len(layers),
                                  host_base, layout, h.data_ptr(), is_64(h), d.data_ptr(),
-                                 is_64(d), h.numel(), stream)
+                                 is_64(d), h.numel(), stream, chained=job.chained)
 
 
 #: pages (per K/V, over all layers) at least this large go through the staged write-back

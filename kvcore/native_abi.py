@@ -139,6 +139,8 @@ PROTOTYPES: dict[str, tuple[Any, tuple[Any, ...]]] = {
 
 #: functions a library may export on top of PROTOTYPES (each has a ``has_...`` query)
 OPTIONAL_PROTOTYPES: dict[str, tuple[Any, tuple[Any, ...]]] = {
+    # kvio_transfer_direct's arguments; the caller vouches for the chained-load guarantee
+    "kvio_transfer_direct_chained": PROTOTYPES["kvio_transfer_direct"],
     "kvio_load_layer_dma": (_c.c_int, (
         _c.c_void_p,    # k_dst (device address of the layer's K tensor)
         _c.c_void_p,    # v_dst (V tensor, NULL for MLA)
@@ -218,6 +220,10 @@ class NativeLibrary:
         (cudaMemcpyBatchAsync / hipMemcpyBatchAsync)."""
         return bool(int(self._lib.kvio_has_batched_memcpy()))
 
+    def has_transfer_direct_chained(self) -> bool:
+        """Whether the library exports the optional ``kvio_transfer_direct_chained``."""
+        return "kvio_transfer_direct_chained" in self.optional
+
     def has_load_layer_dma(self) -> bool:
         """Whether the library exports the optional ``kvio_load_layer_dma``."""
         return "kvio_load_layer_dma" in self.optional
@@ -244,18 +250,24 @@ class NativeLibrary:
                         layer_begin: int, layer_count: int, host_base: int,
                         layout: KvioLayout | Mapping[str, int], host_idx: int,
                         host_idx_64: int, dev_idx: int, dev_idx_64: int, n_tokens: int,
-                        stream: int | None) -> None:
+                        stream: int | None, chained: bool = False) -> None:
         """``kvio_transfer_direct``: copy layers [layer_begin, layer_begin + layer_count) of
         ``n_tokens`` token pairs; direction 0 = device -> host, 1 = host -> device.
 
         Enqueued on ``stream`` (the runtime's raw stream handle; 0 = the default stream).
-        Raises InvalidArgument before any call for an argument out of range, KernelError when
-        the library returns a nonzero status.
+        ``chained`` calls ``kvio_transfer_direct_chained`` where the library has it (else the
+        plain function, which is always correct): the caller vouches that the work just before
+        this call on ``stream`` is an earlier call of the same transfer, writing nothing this
+        one reads (docs/native-abi.md). Raises InvalidArgument before any call for an argument
+        out of range, KernelError when the library returns a nonzero status.
         """
         if direction not in (0, 1):
             raise InvalidArgument("direction", "0 (device -> host) or 1 (host -> device)",
                                   repr(direction))
-        status = self._lib.kvio_transfer_direct(
+        name = ("kvio_transfer_direct_chained"
+                if chained and "kvio_transfer_direct_chained" in self.optional
+                else "kvio_transfer_direct")
+        status = getattr(self._lib, name)(
             ctypes.c_int(direction),
             _ptr("k_ptrs", k_ptrs),
             _ptr("v_ptrs", v_ptrs),
@@ -270,7 +282,7 @@ class NativeLibrary:
             ctypes.c_int64(_int("n_tokens", n_tokens, _INT64)),
             _ptr("stream", stream),
         )
-        self.check("kvio_transfer_direct", status)
+        self.check(name, status)
 
     def write_back_staged(self, k_ptrs: int, v_ptrs: int | None, num_layers: int,
                           host_base: int, layout: KvioLayout | Mapping[str, int],

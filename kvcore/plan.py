@@ -112,14 +112,16 @@ class TransferPlan:
         return self.run(placed, device_pool, host_pool, layer=layer, stream=stream)
 
     def run(self, placed: PlacedIndices, device_pool: DevicePool, host_pool: HostPool,
-            layer: int | None = None, stream: Any = None) -> Any:
-        """Hand the backend a job carrying the variant that placed the indices."""
+            layer: int | None = None, stream: Any = None, chained: bool = False) -> Any:
+        """Hand the backend a job carrying the variant that placed the indices; ``chained``
+        as :class:`~kvcore.backend.TransferJob` defines it (only a caller that enqueued the
+        preceding job itself can promise it)."""
         backend: TransferBackend = self.instance()
         return backend.run(TransferJob(
             op=self.request.op, support=placed.support, device_pool=device_pool,
             host_buffer=host_pool.buffer, host_geometry=host_pool.geometry,
             host_strides=host_pool.strides, host_indices=placed.host,
-            device_indices=placed.device, layer=layer, stream=stream))
+            device_indices=placed.device, layer=layer, stream=stream, chained=chained))
 
     def describe(self) -> dict[str, object]:
         """Plain facts about the plan, for agreement checks across ranks and for reports."""

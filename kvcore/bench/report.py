@@ -64,7 +64,9 @@ def header_lines(result: BenchResult) -> list[str]:
         f"{runtime}  torch {m.get('torch')}",
         f"CPU: {m.get('cpu')} ({m.get('cpu_count')} cores)  host memory: "
         f"{m.get('host_memory') or '-'} (pinned: {'yes' if m.get('pinned') else 'no'})",
-        f"backends: {names}  timer: {s.get('timer')}, warm-up {s.get('warmup')}, "
+        f"backends: {names}  timer: {s.get('timer')}"
+        + (" on a dedicated stream" if s.get("stream") == "dedicated" else "")
+        + f", warm-up {s.get('warmup')}, "
         f"repeat {s.get('repeat')} (median)"
         + (f", reference: repeat {s['reference_repeat']}, no warm-up"
            if s.get("reference_repeat") is not None else "")

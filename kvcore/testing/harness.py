@@ -29,6 +29,7 @@ from kvcore.pools import DevicePool, HostPool
 from kvcore.registry import Registry, make_request
 from kvcore.testing.cases import Case, page_bytes
 from kvcore.testing.recording import Received, RecordingBackend
+from kvcore.validate import check_indices
 from kvcore.verify import random_fill
 
 REFERENCE = "reference"
@@ -299,13 +300,21 @@ def resolve(env: Env, case: Case, op: Op, backend: str) -> TransferPlan:
 
 def transfer(env: Env, case: Case, rig: Rig, op: Op, backend: str, h: torch.Tensor,
              d: torch.Tensor) -> None:
-    """Run ``op`` over every layer (one call per layer for load_layer) and wait for it."""
+    """Run ``op`` over every layer and wait for it. A load_layer is one call per layer, as the
+    controller issues it: indices checked for each layer, placed once, and every call after
+    the first marked ``chained`` (so a backend that reads early is tested doing so)."""
     plan = resolve(env, case, op, backend)
     layers: list[int | None] = (list(range(case.num_layers)) if op is Op.LOAD_LAYER
                                 else [None])
+    pools = rig.device_pool, rig.host_pool
+    g = rig.host_pool.geometry
+    placed = None
     done = []
-    for layer in layers:
-        done.append(plan.transfer(rig.device_pool, rig.host_pool, h, d, layer=layer))
+    for n, layer in enumerate(layers):
+        check_indices(plan, *pools, h, d, layer)
+        if placed is None:
+            placed = plan.place(h, d, plan.page_bytes(g.page_size, g.num_layers))
+        done.append(plan.run(placed, *pools, layer=layer, chained=n > 0))
     synchronize(env.device)
     for completion in done:
         if completion is not None:

@@ -16,8 +16,8 @@ class RecordingLibrary:
     def __init__(self) -> None:
         self.calls: list[tuple[str, tuple[Any, ...]]] = []
 
-    def transfer_direct(self, *args: Any) -> None:
-        self.calls.append(("direct", args))
+    def transfer_direct(self, *args: Any, chained: bool = False) -> None:
+        self.calls.append(("direct chained" if chained else "direct", args))
 
     def write_back_staged(self, *args: Any) -> None:
         self.calls.append(("staged", args))
@@ -48,7 +48,7 @@ def _shape(layout: str) -> tuple[int, ...]:
 
 
 def _run(backend: CpuNative, dev: DevicePool, host: HostPool, op: Op, variant: str,
-         layer: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+         layer: int | None = None, chained: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     from kvcore.backend import TransferJob
     from kvcore.layout import Layout
     from kvcore.native import native_ops
@@ -59,7 +59,7 @@ def _run(backend: CpuNative, dev: DevicePool, host: HostPool, op: Op, variant: s
     d = torch.arange(16, dtype=torch.int32)
     backend.run(TransferJob(op=op, support=support, device_pool=dev, host_buffer=host.buffer,
                             host_geometry=host.geometry, host_strides=host.strides,
-                            host_indices=h, device_indices=d, layer=layer))
+                            host_indices=h, device_indices=d, layer=layer, chained=chained))
     return h, d
 
 
@@ -87,6 +87,12 @@ def test_direct_load_of_one_layer_passes_that_layer_and_both_index_widths() -> N
     assert (a1[8], a1[10], a1[11]) == (1, 0, 16)  # host int64, device int32, 16 tokens
 
 
+def test_a_chained_job_reaches_the_library_as_chained_and_only_then() -> None:
+    backend, lib, dev, host = _setup("page_first")
+    _run(backend, dev, host, Op.LOAD_LAYER, "direct", layer=0)
+    _run(backend, dev, host, Op.LOAD_LAYER, "direct", layer=1, chained=True)
+    assert [name for name, _ in lib.calls] == ["direct", "direct chained"]
+    assert lib.calls[0][1][3] == 0 and lib.calls[1][1][3] == 1
 
 def test_the_layout_struct_is_built_once_per_host_geometry() -> None:
     backend, lib, dev, host = _setup("page_first")

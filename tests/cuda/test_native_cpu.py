@@ -418,10 +418,14 @@ class FakeLib:
 
 
 class FakeDmaLib(FakeLib):
-    """A fake library that also exports the optional per-layer copy-engine load."""
+    """A fake library that also exports the optional functions."""
 
     def kvio_load_layer_dma(self, *args: Any) -> int:
         self.calls.append(("kvio_load_layer_dma", args))
+        return self.status
+
+    def kvio_transfer_direct_chained(self, *args: Any) -> int:
+        self.calls.append(("kvio_transfer_direct_chained", args))
         return self.status
 
 
@@ -468,6 +472,27 @@ def test_transfer_direct_marshalling() -> None:
     assert args[6].as_dict() == LAYOUT
     assert args[2].value is None and args[12].value is None
     assert args[10].value == 1
+
+
+def test_a_chained_transfer_calls_the_chained_function_where_the_library_has_it() -> None:
+    args = (1, 0x1000, 0, 3, 1, 0x2000, LAYOUT, 0x3000, 1, 0x4000, 0, 4096, 0x55AA)
+    full = FakeDmaLib()
+    lib = _native.NativeLibrary("fake.so", lib=full)
+    assert lib.has_transfer_direct_chained()
+    lib.transfer_direct(*args, chained=True)
+    lib.transfer_direct(*args)
+    assert [name for name, _ in full.calls] == ["kvio_transfer_direct_chained",
+                                                "kvio_transfer_direct"]
+    assert _values(full.calls[0][1])[:6] == _values(full.calls[1][1])[:6]
+    # without the optional function the plain one serves (ignoring the promise is correct)
+    plain = FakeLib()
+    lib = _native.NativeLibrary("fake.so", lib=plain)
+    assert not lib.has_transfer_direct_chained()
+    lib.transfer_direct(*args, chained=True)
+    assert [name for name, _ in plain.calls] == ["kvio_transfer_direct"]
+    with pytest.raises(KernelError, match=r"^kvio_transfer_direct_chained: an illegal memory"):
+        _native.NativeLibrary("fake.so", lib=FakeDmaLib(status=700)).transfer_direct(
+            *args, chained=True)
 
 
 def test_write_back_staged_marshalling() -> None:
@@ -604,6 +629,19 @@ def test_real_library_refuses_bad_arguments_before_any_cuda_call(
     with pytest.raises(KernelError,
                        match=r"kvio_transfer_direct: invalid argument \(cuda error 1\)"):
         real_library.transfer_direct(0, 0, 0, 0, 1, 1, layout, 1, 0, 1, 0, 64, 0)
+
+
+def test_real_library_chained_transfer_refuses_bad_arguments_before_any_cuda_call(
+        real_library: _native.NativeLibrary) -> None:
+    assert real_library.has_transfer_direct_chained()
+    raw = real_library._lib
+    layout = _native.KvioLayout.from_fields(LAYOUT)
+    assert raw.kvio_transfer_direct_chained(1, None, 0, 0, 1, 1, layout, 1, 0, 1, 0, 64,
+                                            None) == 1
+    assert raw.kvio_transfer_direct_chained(1, 1, 0, -1, 1, 1, layout, 1, 0, 1, 0, 64,
+                                            None) == 1
+    assert raw.kvio_transfer_direct_chained(1, 1, 0, 0, 1, 1, layout, 1, 0, 1, 0, 0,
+                                            None) == 0
 
 
 def test_real_library_dma_load_refuses_bad_arguments_before_any_cuda_call(

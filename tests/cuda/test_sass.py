@@ -149,8 +149,10 @@ def shipped(tools: tuple[build.Nvcc, Path],
     yield _dump(cuobjdump, out), log
 
 
+#: the chained per-layer load's kernels: host reads issued before the dependency wait
+EARLY_KERNELS = ["kvio_copy_h2d_v16_i32_early", "kvio_copy_h2d_v16_i64_early"]
 COPY_KERNELS = [f"kvio_copy_{d}_v{v}_{i}" for d in ("d2h", "h2d") for v in (16, 8, 4, 2, 1)
-                for i in ("i32", "i64")]
+                for i in ("i32", "i64")] + EARLY_KERNELS
 
 
 # --------------------------------------------------------------------------- the tests
@@ -190,13 +192,29 @@ def test_every_kernel_streams_its_host_side(shipped: tuple[dict[str, str], str],
     assert not [o for o in ops if o.startswith(("LDL", "STL"))]
 
 
-@pytest.mark.parametrize("kernel", COPY_KERNELS)
+@pytest.mark.parametrize("kernel", [k for k in COPY_KERNELS if k not in EARLY_KERNELS])
 def test_dependent_launch_waits_before_any_memory_access(shipped: tuple[dict[str, str], str],
                                                          kernel: str) -> None:
     ops = opcodes(shipped[0][kernel])
     assert "ACQBULK" in ops, "griddepcontrol.wait is missing"
     first_memory = next(i for i, o in enumerate(ops) if o.startswith(("LDG", "STG", "LD.", "ST.")))
     assert ops.index("ACQBULK") < first_memory
+    assert ops.index("ACQBULK") < ops.index("PREEXIT"), "dependents released before the wait"
+
+
+@pytest.mark.parametrize("kernel", EARLY_KERNELS)
+def test_early_kernels_read_before_the_wait_but_store_and_release_only_after_it(
+        shipped: tuple[dict[str, str], str], kernel: str) -> None:
+    ops = opcodes(shipped[0][kernel])
+    wait = ops.index("ACQBULK")
+    assert any(o.startswith("LDG.E.NA.128") for o in ops[:wait]), "no host read before the wait"
+    assert not any(o.startswith(("STG", "ST.")) for o in ops[:wait]), "a store before the wait"
+    # griddepcontrol.launch_dependents (PREEXIT) never comes before a wait: a kernel behind
+    # this one may read early only once everything before this one has completed
+    waits = [i for i, o in enumerate(ops) if o == "ACQBULK"]
+    releases = [i for i, o in enumerate(ops) if o == "PREEXIT"]
+    assert releases and all(any(w < r for w in waits) for r in releases)
+    assert "STG.E.128" in ops
 
 
 def test_ptxas_reports_no_spills(shipped: tuple[dict[str, str], str]) -> None:

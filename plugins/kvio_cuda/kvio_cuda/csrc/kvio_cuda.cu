@@ -7,6 +7,10 @@
 //                           any layer range; the host side is touched directly by the SMs.
 //   kvio_write_back_staged  device gather into a staging buffer laid out as the host page
 //                           image, then one (batched) DMA copy per run of host pages.
+//   kvio_transfer_direct_chained  (optional) the same, for the second and later layers of
+//                           one per-layer load: may read the host before the previous layer's
+//                           kernel has finished (see copy_body).
+//   kvio_load_layer_dma     (optional) one layer by the copy engine, runs of consecutive slots.
 //
 // The geometry comes from Python (kvcore.layout); the kernels never derive it. Everything
 // here returns a cudaError_t as int (0 = success) and checks every runtime call.
@@ -259,6 +263,17 @@ __device__ __forceinline__ void locate(const CopyParams& p, IdxT g, char*& host,
     dev = base + d * p.elem_bytes + chunk * p.chunk_bytes + vec_off;
 }
 
+// Programmatic dependent launch (Hopper and newer, see launch_copy): wait for the preceding
+// kernel of the stream to complete and flush, then let the next launch of the stream get
+// scheduled while this grid drains. Triggering only after the wait is what makes an EARLY
+// kernel behind this one sound (see copy_body). Both are no-ops for a plain launch.
+__device__ __forceinline__ void dependency_wait_then_release() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 // The copy kernel body. Each block walks tiles of kTile consecutive flat vectors
 // (grid-stride); in a tile, thread x handles vectors x, x + kThreads, ... so that every
 // load/store instruction of a warp covers 32 consecutive vectors. All loads of a thread are
@@ -267,16 +282,19 @@ __device__ __forceinline__ void locate(const CopyParams& p, IdxT g, char*& host,
 // Host strides and host_base are folded into VEC at launch; the device layer pointers are
 // only known here, so a vector whose addresses are not VEC-aligned is copied byte by byte
 // (correct for any pointer, fast only when aligned).
-template <int DIR, int VEC, typename IdxT>
+//
+// EARLY (the chained per-layer load, kvio_transfer_direct_chained): each block issues the
+// loads of its first tile BEFORE the dependency wait and stores only after it. The caller
+// guarantees the preceding kernel is an earlier layer of the same load, which writes neither
+// the host buffer, the indices nor the layer tables read here; and since every copy kernel
+// releases its dependents only after its own wait, everything before that kernel has
+// completed once this grid runs. Otherwise every memory access follows the wait.
+template <int DIR, int VEC, typename IdxT, bool EARLY>
 __device__ __forceinline__ void copy_body(const CopyParams& p) {
-    // Programmatic dependent launch (Hopper and newer, see launch_copy): wait for the
-    // preceding kernel of the stream to complete and flush BEFORE touching any memory, so
-    // stream order holds exactly as for a plain launch; then let the next launch of the
-    // stream get scheduled while this grid drains. Both are no-ops for a plain launch.
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
+    bool waited = !EARLY;
+    if (!EARLY) {
+        dependency_wait_then_release();
+    }
     const IdxT total = static_cast<IdxT>(p.total);
     const IdxT tile = static_cast<IdxT>(kTile);
     for (IdxT base = static_cast<IdxT>(blockIdx.x) * tile; base < total;
@@ -308,6 +326,10 @@ __device__ __forceinline__ void copy_body(const CopyParams& p) {
                 val[k].load(src[k]);
             }
         }
+        if (EARLY && !waited) {
+            dependency_wait_then_release();
+            waited = true;
+        }
 #pragma unroll
         for (int k = 0; k < kUnroll; ++k) {
             if (state[k] == 1) {
@@ -322,6 +344,9 @@ __device__ __forceinline__ void copy_body(const CopyParams& p) {
             }
         }
     }
+    if (EARLY && !waited) {  // a block without a tile still orders its dependents
+        dependency_wait_then_release();
+    }
 }
 
 }  // namespace
@@ -329,11 +354,12 @@ __device__ __forceinline__ void copy_body(const CopyParams& p) {
 // Named instantiations (extern "C" so the SASS, profilers and tests show readable names).
 // d2h: device -> host (write-back, and the staging gather); h2d: host -> device (load).
 // vN: vector bytes; i32/i64: width of the flat work index.
-#define KVIO_COPY_KERNEL(NAME, DIR, VEC, IDXT)                                        \
+#define KVIO_COPY_KERNEL_EX(NAME, DIR, VEC, IDXT, EARLY)                              \
     extern "C" __global__ void __launch_bounds__(kThreads, kBlocksPerSm)              \
         NAME(const CopyParams p) {                                                    \
-        copy_body<DIR, VEC, IDXT>(p);                                                 \
+        copy_body<DIR, VEC, IDXT, EARLY>(p);                                          \
     }
+#define KVIO_COPY_KERNEL(NAME, DIR, VEC, IDXT) KVIO_COPY_KERNEL_EX(NAME, DIR, VEC, IDXT, false)
 
 KVIO_COPY_KERNEL(kvio_copy_d2h_v16_i32, kDeviceToHost, 16, uint32_t)
 KVIO_COPY_KERNEL(kvio_copy_d2h_v16_i64, kDeviceToHost, 16, uint64_t)
@@ -355,6 +381,9 @@ KVIO_COPY_KERNEL(kvio_copy_h2d_v2_i32, kHostToDevice, 2, uint32_t)
 KVIO_COPY_KERNEL(kvio_copy_h2d_v2_i64, kHostToDevice, 2, uint64_t)
 KVIO_COPY_KERNEL(kvio_copy_h2d_v1_i32, kHostToDevice, 1, uint32_t)
 KVIO_COPY_KERNEL(kvio_copy_h2d_v1_i64, kHostToDevice, 1, uint64_t)
+// early: the chained per-layer load's 16-byte kernels (host reads before the dependency wait)
+KVIO_COPY_KERNEL_EX(kvio_copy_h2d_v16_i32_early, kHostToDevice, 16, uint32_t, true)
+KVIO_COPY_KERNEL_EX(kvio_copy_h2d_v16_i64_early, kHostToDevice, 16, uint64_t, true)
 
 namespace {
 
@@ -373,6 +402,10 @@ const CopyKernel kCopyKernels[2][5][2] = {
      {kvio_copy_h2d_v8_i32, kvio_copy_h2d_v8_i64},
      {kvio_copy_h2d_v16_i32, kvio_copy_h2d_v16_i64}},
 };
+
+// [flat index is 64-bit]
+const CopyKernel kEarlyLoadKernels[2] = {kvio_copy_h2d_v16_i32_early,
+                                         kvio_copy_h2d_v16_i64_early};
 
 // ---------------------------------------------------------------------------------------
 // Host helpers
@@ -609,9 +642,10 @@ bool mul_ok(uint64_t a, uint64_t b, uint64_t* out) {
 }
 
 // Fills the work decomposition and launches the copy kernel on `stream` (whose device must
-// be current). layer_count, n_tokens > 0.
+// be current). layer_count, n_tokens > 0. `chained`: the caller's guarantee of
+// kvio_transfer_direct_chained, which lets a 16-byte load use its EARLY kernel.
 cudaError_t launch_copy(int direction, CopyParams p, int num_kv, int64_t n_tokens,
-                        int32_t layer_count, int64_t num_chunks, int device,
+                        int32_t layer_count, int64_t num_chunks, int device, bool chained,
                         cudaStream_t stream) {
     // Vector width from every host-known quantity that offsets an address.
     uint64_t bits = static_cast<uint64_t>(p.chunk_bytes) |
@@ -674,7 +708,9 @@ cudaError_t launch_copy(int direction, CopyParams p, int num_kv, int64_t n_token
 
     int vec_log2 = 0;
     while ((1 << vec_log2) != vec) ++vec_log2;
-    const CopyKernel kernel = kCopyKernels[direction][vec_log2][wide ? 1 : 0];
+    const bool early = chained && direction == kHostToDevice && vec == 16;
+    const CopyKernel kernel = early ? kEarlyLoadKernels[wide ? 1 : 0]
+                                    : kCopyKernels[direction][vec_log2][wide ? 1 : 0];
 
     // Programmatic dependent launch lets this grid be scheduled while the previous kernel of
     // the stream drains (the kernel waits for it before any memory access, see copy_body):
@@ -908,7 +944,7 @@ cudaError_t transfer_direct(int direction, const uint64_t* k_ptrs, const uint64_
                             int32_t layer_begin, int32_t layer_count, void* host_base,
                             const kvio_layout& layout, const void* host_idx, int host_idx_64,
                             const void* dev_idx, int dev_idx_64, int64_t n_tokens,
-                            void* stream) {
+                            bool chained, void* stream) {
     if ((direction != kDeviceToHost && direction != kHostToDevice) || k_ptrs == nullptr ||
         host_base == nullptr || layer_begin < 0 || layer_count < 0 || n_tokens < 0 ||
         !layout_ok(layout)) {
@@ -932,7 +968,7 @@ cudaError_t transfer_direct(int direction, const uint64_t* k_ptrs, const uint64_
     p.layer_begin = layer_begin;
     const int num_kv = v_ptrs != nullptr ? 2 : 1;
     return launch_copy(direction, p, num_kv, n_tokens, layer_count, layout.num_chunks,
-                       guard.device(), s);
+                       guard.device(), chained, s);
 }
 
 cudaError_t write_back_staged(const uint64_t* k_ptrs, const uint64_t* v_ptrs,
@@ -1016,7 +1052,7 @@ cudaError_t write_back_staged(const uint64_t* k_ptrs, const uint64_t* v_ptrs,
         p.dev_idx_64 = dev_idx_64 ? 1 : 0;
         p.layer_begin = 0;
         return launch_copy(kDeviceToHost, p, num_kv, cp * P, num_layers, layout.num_chunks,
-                           guard.device(), s);
+                           guard.device(), false, s);
     };
     char* host = static_cast<char*>(host_base);
     char* stage = static_cast<char*>(staging);
@@ -1196,7 +1232,18 @@ KVIO_API int kvio_transfer_direct(int direction, const uint64_t* k_ptrs, const u
                                   void* stream) {
     return finish(transfer_direct(direction, k_ptrs, v_ptrs, layer_begin, layer_count,
                                   host_base, layout, host_idx, host_idx_64, dev_idx, dev_idx_64,
-                                  n_tokens, stream));
+                                  n_tokens, false, stream));
+}
+
+KVIO_API int kvio_transfer_direct_chained(int direction, const uint64_t* k_ptrs,
+                                          const uint64_t* v_ptrs, int32_t layer_begin,
+                                          int32_t layer_count, void* host_base,
+                                          kvio_layout layout, const void* host_idx,
+                                          int host_idx_64, const void* dev_idx, int dev_idx_64,
+                                          int64_t n_tokens, void* stream) {
+    return finish(transfer_direct(direction, k_ptrs, v_ptrs, layer_begin, layer_count,
+                                  host_base, layout, host_idx, host_idx_64, dev_idx, dev_idx_64,
+                                  n_tokens, true, stream));
 }
 
 KVIO_API int kvio_write_back_staged(const uint64_t* k_ptrs, const uint64_t* v_ptrs,
