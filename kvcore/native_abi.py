@@ -78,11 +78,13 @@ def make_layout(layout: KvioLayout | Mapping[str, int]) -> KvioLayout:
 
 
 def _int(name: str, value: Any, bounds: tuple[int, int]) -> int:
+    lo, hi = bounds
+    if type(value) is int and lo <= value <= hi:  # the per-call common case, kept cheap
+        return value
     try:
         v = operator.index(value)
     except TypeError:
         raise InvalidArgument(name, "an int", f"{type(value).__name__} {value!r}") from None
-    lo, hi = bounds
     if not lo <= v <= hi:
         raise InvalidArgument(name, f"an int in [{lo}, {hi}]", str(v))
     return v
