@@ -14,6 +14,7 @@
 # probe: scripts/probe_layer_load.py once per kernel build setting in PROBE_TUNES
 # (';'-separated KVIO_CUDA_TUNE values, '' = the shipped defaults). probe_h2d: the standalone
 # copy-path probe (scripts/probe_h2d_paths.cu). issue: Python's cost per per-layer call.
+# dma: layer_first per-layer load, copy engine against the zero-copy kernel.
 # quick: the seed rows issue 4 missed, cuda only (QUICK_ARGS replaces the axes).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -83,6 +84,9 @@ probe_h2d)
     ;;
 issue)
     step issue_cost 90 $PY scripts/probe_issue_cost.py
+    ;;
+dma)
+    step probe_dma 150 $PY scripts/probe_dma_load.py
     ;;
 quick)
     budget=$(( ${DEADLINE_S:-100000} - SECONDS - ${SEED_MARGIN_S:-60} ))
