@@ -133,11 +133,16 @@ class NativeBackend:
 #: pages (per K/V, over all layers) at least this large go through the staged write-back
 STAGED_MIN_PAGE_BYTES = 64 << 10
 
+#: a per-layer load whose page slices (one layer of one page) are at least this large may go
+#: through the copy engine; below it, the CPU cost of one copy per slice outlasts the copies
+DMA_MIN_PAGE_BYTES = 64 << 10
+
 
 def native_ops(staging_bytes: int = DEFAULT_STAGING_BYTES,
                staged_min_page_bytes: int = STAGED_MIN_PAGE_BYTES,
                element_alignment: int = 16,
-               dma_load_layouts: tuple[Layout, ...] = ()) -> tuple[OpSupport, ...]:
+               dma_load_layouts: tuple[Layout, ...] = (),
+               dma_min_page_bytes: int = DMA_MIN_PAGE_BYTES) -> tuple[OpSupport, ...]:
     """The operation variants every implementation of the native ABI declares.
 
     Write-back has two variants chosen per call by page size: ``staged`` (device gather into
@@ -146,9 +151,10 @@ def native_ops(staging_bytes: int = DEFAULT_STAGING_BYTES,
     ``staged_min_page_bytes``, and ``direct`` (one kernel storing straight into pinned host
     memory; both index sets on the device) below that and for layouts whose pages are not
     contiguous. Loads are direct kernels reading pinned host memory, except per-layer loads
-    from ``dma_load_layouts``, declared first and so preferred: the ``dma`` variant has the
-    copy engine move each run of consecutive slots (both index sets on the CPU, since the copy
-    addresses are computed there); it needs the library's optional ``kvio_load_layer_dma``.
+    from ``dma_load_layouts`` with page slices of at least ``dma_min_page_bytes``, declared
+    first and so preferred there: the ``dma`` variant has the copy engine move each run of
+    consecutive slots (both index sets on the CPU, since the copy addresses are computed
+    there); it needs the library's optional ``kvio_load_layer_dma``.
     """
     kinds = (Kind.MHA, Kind.MLA)
     contiguous = (Layout.PAGE_FIRST, Layout.PAGE_FIRST_DIRECT, Layout.PAGE_HEAD)
@@ -157,7 +163,7 @@ def native_ops(staging_bytes: int = DEFAULT_STAGING_BYTES,
     dma = (OpSupport(op=Op.LOAD_LAYER, kinds=frozenset(kinds),
                      layouts=frozenset(dma_load_layouts), host_index=on_cpu,
                      device_index=on_cpu, variant=NativeBackend.DMA, batched_memcpy=True,
-                     **common),) if dma_load_layouts else ()
+                     min_page_bytes=dma_min_page_bytes, **common),) if dma_load_layouts else ()
     return (
         *dma,
         OpSupport(op=Op.WRITE_BACK, kinds=frozenset(kinds), layouts=frozenset(contiguous),

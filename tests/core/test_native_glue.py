@@ -136,3 +136,25 @@ def test_the_dma_variant_is_declared_first_with_both_index_sets_on_the_cpu() -> 
     assert dma.host_index.residency is dma.device_index.residency is Residency.HOST
     assert dma.host_index.dtypes == dma.device_index.dtypes == (_torch.int64,)
     assert dma.batched_memcpy and not dma.staged
+
+
+def test_kvio_cuda_loads_64_kib_layer_slices_by_the_copy_engine_and_smaller_ones_by_kernel(
+) -> None:
+    import kvio_cuda
+
+    from kvcore.capabilities import HostMemory
+    from kvcore.layout import Layout
+    from kvcore.plan import TransferPlan
+    from kvcore.registry import make_request
+
+    loads = [s for s in kvio_cuda.CAPABILITIES.ops if s.op is Op.LOAD_LAYER]
+    for layout in Layout:
+        req = make_request(Op.LOAD_LAYER, "mha", layout, torch.bfloat16, 1024, "cpu")
+        plan = TransferPlan(request=req, backend_name="cuda", backend_version="0",
+                            host_memory=HostMemory.PINNED,
+                            variants=tuple(s for s in loads if layout in s.layouts),
+                            instance=lambda: None)
+        contiguous = layout in (Layout.LAYER_FIRST, Layout.PAGE_FIRST_DIRECT)
+        assert plan.select(64 << 10).variant == ("dma" if contiguous else "direct"), layout
+        assert plan.select((64 << 10) - 16).variant == "direct", layout
+        assert plan.select(32 << 10).variant == "direct", layout

@@ -56,11 +56,12 @@ def check_availability() -> Availability:
     return Available(f"{torch.cuda.get_device_name()} (sm_{cc[0]}{cc[1]}), nvcc {nvcc}")
 
 
-#: host layouts whose per-layer loads use the copy engine (the ``dma`` variant). Empty until
-#: the variant has passed `kvio check cuda` on a GPU; the candidates are layer_first and
-#: page_first_direct, whose layer slice of a page is contiguous (tests/gpu/test_cuda_paths.py
-#: and scripts/probe_h2d_paths.cu measure and check it).
-DMA_LOAD_LAYOUTS: tuple[Layout, ...] = ()
+#: host layouts whose per-layer loads use the copy engine (the ``dma`` variant) for page
+#: slices of 64 KiB and more: layer_first and page_first_direct keep a page's layer slice
+#: contiguous. On the H200 it reaches 0.94-0.99 of the ceiling there against 0.87-0.92 for the
+#: zero-copy kernel, and loses below 64 KiB, where the CPU cost of one copy per slice outlasts
+#: the copies (scripts/probe_dma_load.py, docs/benchmarks/h200-2026-12-03b/).
+DMA_LOAD_LAYOUTS: tuple[Layout, ...] = (Layout.LAYER_FIRST, Layout.PAGE_FIRST_DIRECT)
 
 CAPABILITIES = Capabilities(
     name="cuda",
