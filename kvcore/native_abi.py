@@ -90,15 +90,18 @@ def _int(name: str, value: Any, bounds: tuple[int, int]) -> int:
     return v
 
 
-def _ptr(name: str, value: Any) -> ctypes.c_void_p:
-    """A pointer or handle as c_void_p; None and 0 are NULL."""
+# The transfer functions pass checked plain ints (None for NULL): the bound argtypes convert
+# them exactly, since every value is range-checked first, and cheaper than ctypes objects.
+
+def _ptr(name: str, value: Any) -> int | None:
+    """A pointer or handle checked for the pointer range; None and 0 are NULL (None)."""
     if value is None:
-        return ctypes.c_void_p(None)
-    return ctypes.c_void_p(_int(name, value, _PTR) or None)
+        return None
+    return _int(name, value, _PTR) or None
 
 
-def _flag(name: str, value: Any) -> ctypes.c_int:
-    return ctypes.c_int(1 if _int(name, value, _INT64) else 0)
+def _flag(name: str, value: Any) -> int:
+    return 1 if _int(name, value, _INT64) else 0
 
 
 _c = ctypes
@@ -166,7 +169,7 @@ class NativeLibrary:
     codes in error messages (``"cuda error 700"``), ``name`` names the library in load errors.
     ``lib=`` substitutes an already loaded or fake library object (tests): every function must
     be there; ctypes function pointers get the prototypes, Python stand-ins are called with the
-    same ctypes-typed arguments.
+    same checked plain values (ints, None for NULL, the KvioLayout).
     """
 
     def __init__(self, path: Path | str | None = None, *, runtime: str, name: str,
@@ -270,18 +273,18 @@ class NativeLibrary:
                 if chained and "kvio_transfer_direct_chained" in self.optional
                 else "kvio_transfer_direct")
         status = getattr(self._lib, name)(
-            ctypes.c_int(direction),
+            direction,
             _ptr("k_ptrs", k_ptrs),
             _ptr("v_ptrs", v_ptrs),
-            ctypes.c_int32(_int("layer_begin", layer_begin, _INT32)),
-            ctypes.c_int32(_int("layer_count", layer_count, _INT32)),
+            _int("layer_begin", layer_begin, _INT32),
+            _int("layer_count", layer_count, _INT32),
             _ptr("host_base", host_base),
             make_layout(layout),
             _ptr("host_idx", host_idx),
             _flag("host_idx_64", host_idx_64),
             _ptr("dev_idx", dev_idx),
             _flag("dev_idx_64", dev_idx_64),
-            ctypes.c_int64(_int("n_tokens", n_tokens, _INT64)),
+            _int("n_tokens", n_tokens, _INT64),
             _ptr("stream", stream),
         )
         self.check(name, status)
@@ -303,15 +306,15 @@ class NativeLibrary:
         status = self._lib.kvio_write_back_staged(
             _ptr("k_ptrs", k_ptrs),
             _ptr("v_ptrs", v_ptrs),
-            ctypes.c_int32(_int("num_layers", num_layers, _INT32)),
+            _int("num_layers", num_layers, _INT32),
             _ptr("host_base", host_base),
             make_layout(layout),
             _ptr("host_idx_cpu", host_idx_cpu),
             _ptr("dev_idx", dev_idx),
             _flag("dev_idx_64", dev_idx_64),
-            ctypes.c_int64(_int("n_tokens", n_tokens, _INT64)),
+            _int("n_tokens", n_tokens, _INT64),
             _ptr("staging", staging),
-            ctypes.c_int64(_int("staging_bytes", staging_bytes, _INT64)),
+            _int("staging_bytes", staging_bytes, _INT64),
             _flag("use_batched", use_batched),
             _ptr("stream", stream),
         )
@@ -335,12 +338,12 @@ class NativeLibrary:
         status = self._lib.kvio_load_layer_dma(
             _ptr("k_dst", k_dst),
             _ptr("v_dst", v_dst),
-            ctypes.c_int32(_int("layer", layer, _INT32)),
+            _int("layer", layer, _INT32),
             _ptr("host_base", host_base),
             make_layout(layout),
             _ptr("host_idx_cpu", host_idx_cpu),
             _ptr("dev_idx_cpu", dev_idx_cpu),
-            ctypes.c_int64(_int("n_tokens", n_tokens, _INT64)),
+            _int("n_tokens", n_tokens, _INT64),
             _flag("use_batched", use_batched),
             _ptr("stream", stream),
         )

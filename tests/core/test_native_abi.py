@@ -62,4 +62,4 @@ def test_bad_arguments_never_reach_the_library() -> None:
     assert fake.calls == []
     lib.transfer_direct(0, 1, None, 0, 2, 3, LAYOUT, 4, 1, 5, 1, 8, None)
     (args,) = fake.calls
-    assert args[2].value is None and args[-1].value is None
+    assert args[2] is None and args[-1] is None

@@ -18,6 +18,7 @@ from kvio_cuda import _native, build
 
 from kvcore import buildcache
 from kvcore.errors import BuildError, InvalidArgument, KernelError
+from kvcore.native_abi import OPTIONAL_PROTOTYPES, PROTOTYPES
 
 # ------------------------------------------------------------------------------- build.py
 
@@ -430,7 +431,13 @@ class FakeDmaLib(FakeLib):
 
 
 def _values(args: tuple[Any, ...]) -> list[Any]:
-    return [a if isinstance(a, _native.KvioLayout) else a.value for a in args]
+    """The arguments a stand-in received: checked plain ints, None for NULL, the layout."""
+    assert all(a is None or type(a) is int or isinstance(a, _native.KvioLayout) for a in args)
+    return list(args)
+
+
+def _argtypes(function: str) -> list[Any]:
+    return list({**PROTOTYPES, **OPTIONAL_PROTOTYPES}[function][1])
 
 
 def test_native_queries() -> None:
@@ -459,19 +466,19 @@ def test_transfer_direct_marshalling() -> None:
                         True, 0x7F3000000000, 0, 4096, 0x55AA)
     name, args = fake.calls[-1]
     assert name == "kvio_transfer_direct"
-    expected_types = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32,
-                      ctypes.c_int32, ctypes.c_void_p, _native.KvioLayout, ctypes.c_void_p,
-                      ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64,
-                      ctypes.c_void_p]
-    assert [type(a) for a in args] == expected_types
+    # what a real library's ctypes function converts them to
+    assert _argtypes(name) == [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32,
+                               ctypes.c_int32, ctypes.c_void_p, _native.KvioLayout,
+                               ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
+                               ctypes.c_int64, ctypes.c_void_p]
     assert _values(args) == [1, 0x7F0000001000, None, 3, 2, 0x7F1000000000, layout,
                              0x7F2000000000, 1, 0x7F3000000000, 0, 4096, 0x55AA]
     # a mapping works as the layout too; None and 0 are NULL; the default stream is NULL
     lib.transfer_direct(0, 1 << 40, None, 0, 80, 1 << 41, LAYOUT, 1 << 42, 0, 1 << 43, 1, 64, 0)
     _, args = fake.calls[-1]
     assert args[6].as_dict() == LAYOUT
-    assert args[2].value is None and args[12].value is None
-    assert args[10].value == 1
+    assert args[2] is None and args[12] is None
+    assert args[10] == 1
 
 
 def test_a_chained_transfer_calls_the_chained_function_where_the_library_has_it() -> None:
@@ -502,11 +509,10 @@ def test_write_back_staged_marshalling() -> None:
                           0x6000, 64 << 20, True, 0x7000)
     name, args = fake.calls[-1]
     assert name == "kvio_write_back_staged"
-    expected_types = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32, ctypes.c_void_p,
-                      _native.KvioLayout, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
-                      ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,
-                      ctypes.c_void_p]
-    assert [type(a) for a in args] == expected_types
+    assert _argtypes(name) == [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32,
+                               ctypes.c_void_p, _native.KvioLayout, ctypes.c_void_p,
+                               ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_void_p,
+                               ctypes.c_int64, ctypes.c_int, ctypes.c_void_p]
     values = _values(args)
     assert values[:4] == [0x1000, 0x2000, 61, 0x3000]
     assert values[4].as_dict() == LAYOUT
@@ -520,7 +526,7 @@ def test_load_layer_dma_marshalling() -> None:
     lib.load_layer_dma(0x1000, None, 7, 0x3000, LAYOUT, 0x4000, 0x5000, 4096, True, 0x7000)
     name, args = fake.calls[-1]
     assert name == "kvio_load_layer_dma"
-    assert [type(a) for a in args] == [
+    assert _argtypes(name) == [
         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32, ctypes.c_void_p, _native.KvioLayout,
         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p]
     values = _values(args)
