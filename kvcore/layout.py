@@ -163,7 +163,7 @@ def locate(g: Geometry, kv: int, layer: int, token: int, head: int = 0) -> tuple
     return (kv, *place) if g.kind is Kind.MHA else place
 
 
-@attrs.frozen
+@attrs.frozen(cache_hash=True)
 class ByteStrides:
     """Byte geometry of a host buffer, as native kernels consume it (docs/native-abi.md)."""
 
