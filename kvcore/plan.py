@@ -123,6 +123,17 @@ class TransferPlan:
             host_strides=host_pool.strides, host_indices=placed.host,
             device_indices=placed.device, layer=layer, stream=stream, chained=chained))
 
+    def run_layers(self, placed: PlacedIndices, device_pool: DevicePool, host_pool: HostPool,
+                   stream: Any = None) -> list[Any]:
+        """Run the whole op as the controller issues it: one call, or for a per-layer load one
+        call per layer with every call after the first ``chained``. Returns the completions
+        the backend returned (None ones left out)."""
+        layers: list[int | None] = (list(range(host_pool.geometry.num_layers))
+                                    if self.request.op is Op.LOAD_LAYER else [None])
+        done = [self.run(placed, device_pool, host_pool, layer=layer, stream=stream,
+                         chained=n > 0) for n, layer in enumerate(layers)]
+        return [c for c in done if c is not None]
+
     def describe(self) -> dict[str, object]:
         """Plain facts about the plan, for agreement checks across ranks and for reports."""
         from kvcore.capabilities import API_VERSION

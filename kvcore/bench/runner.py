@@ -339,12 +339,8 @@ class Call:
         """One timed call on index set ``i % n``: indices placed once, as the controller
         does, so a per-layer row times the per-layer calls alone."""
         p = self.placed[i % len(self.placed)]
-        layers = range(self.case.num_layers) if self.case.op is Op.LOAD_LAYER else [None]
-        for n, layer in enumerate(layers):
-            done = self.plan.run(p, self.device_pool, self.host_pool, layer=layer,
-                                 stream=self.stream, chained=n > 0)
-            if done is not None:
-                self.completions.append(done)
+        self.completions += self.plan.run_layers(p, self.device_pool, self.host_pool,
+                                                 stream=self.stream)
 
     def check_completions(self) -> None:
         """Raise what an asynchronous failure reported (call after synchronising)."""

@@ -304,21 +304,15 @@ def transfer(env: Env, case: Case, rig: Rig, op: Op, backend: str, h: torch.Tens
     controller issues it: indices checked for each layer, placed once, and every call after
     the first marked ``chained`` (so a backend that reads early is tested doing so)."""
     plan = resolve(env, case, op, backend)
-    layers: list[int | None] = (list(range(case.num_layers)) if op is Op.LOAD_LAYER
-                                else [None])
     pools = rig.device_pool, rig.host_pool
-    g = rig.host_pool.geometry
-    placed = None
-    done = []
-    for n, layer in enumerate(layers):
+    for layer in range(case.num_layers) if op is Op.LOAD_LAYER else [None]:
         check_indices(plan, *pools, h, d, layer)
-        if placed is None:
-            placed = plan.place(h, d, plan.page_bytes(g.page_size, g.num_layers))
-        done.append(plan.run(placed, *pools, layer=layer, chained=n > 0))
+    g = rig.host_pool.geometry
+    placed = plan.place(h, d, plan.page_bytes(g.page_size, g.num_layers))
+    done = plan.run_layers(placed, *pools)
     synchronize(env.device)
     for completion in done:
-        if completion is not None:
-            completion.check()
+        completion.check()
 
 
 def run_backend(env: Env, case: Case, rig: Rig, op: Op, h: torch.Tensor,

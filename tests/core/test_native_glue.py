@@ -94,6 +94,7 @@ def test_a_chained_job_reaches_the_library_as_chained_and_only_then() -> None:
     assert [name for name, _ in lib.calls] == ["direct", "direct chained"]
     assert lib.calls[0][1][3] == 0 and lib.calls[1][1][3] == 1
 
+
 def test_the_layout_struct_is_built_once_per_host_geometry() -> None:
     backend, lib, dev, host = _setup("page_first")
     _run(backend, dev, host, Op.LOAD_LAYER, "direct", layer=0)
@@ -158,3 +159,25 @@ def test_kvio_cuda_loads_64_kib_layer_slices_by_the_copy_engine_and_smaller_ones
         assert plan.select(64 << 10).variant == ("dma" if contiguous else "direct"), layout
         assert plan.select((64 << 10) - 16).variant == "direct", layout
         assert plan.select(32 << 10).variant == "direct", layout
+
+
+def test_run_layers_issues_a_per_layer_load_layer_by_layer_chained_after_the_first() -> None:
+    from kvcore.capabilities import HostMemory
+    from kvcore.native import native_ops
+    from kvcore.plan import TransferPlan
+    from kvcore.registry import make_request
+
+    backend, lib, dev, host = _setup("page_first")
+    for op, expected in ((Op.LOAD_LAYER, [("direct", 0), ("direct chained", 1),
+                                          ("direct chained", 2)]),
+                         (Op.LOAD_ALL, [("direct", 0)])):
+        lib.calls.clear()
+        req = make_request(op, "mha", "page_first", torch.bfloat16, 256, "cpu")
+        plan = TransferPlan(request=req, backend_name="native", backend_version="0",
+                            host_memory=HostMemory.PINNED,
+                            variants=tuple(s for s in native_ops() if s.op is op),
+                            instance=lambda: backend)
+        h, d = torch.arange(16, 32), torch.arange(16)
+        placed = plan.place(h, d, plan.page_bytes(16, 3))
+        assert plan.run_layers(placed, dev, host) == []  # the native backend returns None
+        assert [(name, args[3]) for name, args in lib.calls] == expected
