@@ -38,6 +38,11 @@ class NativeLibrary(Protocol):
                           n_tokens: int, staging: int, staging_bytes: int, use_batched: int,
                           stream: int) -> None: ...
 
+    def load_all_staged(self, k_ptrs: int, v_ptrs: int, num_layers: int, host_base: int,
+                        layout: Any, host_idx_cpu: int, dev_idx: int, dev_idx_64: int,
+                        n_tokens: int, staging: int, staging_bytes: int, use_batched: int,
+                        stream: int) -> None: ...
+
     def load_layer_dma(self, k_dst: int, v_dst: int, layer: int, host_base: int, layout: Any,
                        host_idx_cpu: int, dev_idx_cpu: int, n_tokens: int, use_batched: int,
                        stream: int) -> None: ...
@@ -60,7 +65,7 @@ class NativeBackend:
     """Runs jobs through a native library; a subclass builds the library and names the raw
     stream handle of its runtime."""
 
-    #: the variant name that selects the staged write-back
+    #: the variant name that selects the staged write-back and all-layer load
     STAGED = "staged"
     #: the variant name that selects the copy-engine per-layer load
     DMA = "dma"
@@ -109,9 +114,11 @@ class NativeBackend:
         stream = self.stream_handle(job.stream)
         h, d = job.host_indices, job.device_indices
         host_base = job.host_buffer.data_ptr()
-        if job.op is Op.WRITE_BACK and job.support.variant == self.STAGED:
+        if job.support.variant == self.STAGED and job.op is not Op.LOAD_LAYER:
             staging = self.staging(stream)
-            self.lib.write_back_staged(
+            staged = (self.lib.write_back_staged if job.op is Op.WRITE_BACK
+                      else self.lib.load_all_staged)
+            staged(
                 k_ptrs, v_ptrs, job.host_geometry.num_layers, host_base, layout, h.data_ptr(),
                 d.data_ptr(), is_64(d), h.numel(), staging.data_ptr(), staging.numel(),
                 int(self.use_batched), stream)
@@ -131,6 +138,7 @@ class NativeBackend:
 
 
 #: pages (per K/V, over all layers) at least this large go through the staged write-back
+#: (and the staged all-layer load, where declared)
 STAGED_MIN_PAGE_BYTES = 64 << 10
 
 #: a per-layer load whose page slices (one layer of one page) are at least this large may go
@@ -142,7 +150,8 @@ def native_ops(staging_bytes: int = DEFAULT_STAGING_BYTES,
                staged_min_page_bytes: int = STAGED_MIN_PAGE_BYTES,
                element_alignment: int = 16,
                dma_load_layouts: tuple[Layout, ...] = (),
-               dma_min_page_bytes: int = DMA_MIN_PAGE_BYTES) -> tuple[OpSupport, ...]:
+               dma_min_page_bytes: int = DMA_MIN_PAGE_BYTES,
+               staged_load: bool = False) -> tuple[OpSupport, ...]:
     """The operation variants every implementation of the native ABI declares.
 
     Write-back has two variants chosen per call by page size: ``staged`` (device gather into
@@ -154,7 +163,10 @@ def native_ops(staging_bytes: int = DEFAULT_STAGING_BYTES,
     from ``dma_load_layouts`` with page slices of at least ``dma_min_page_bytes``, declared
     first and so preferred there: the ``dma`` variant has the copy engine move each run of
     consecutive slots (both index sets on the CPU, since the copy addresses are computed
-    there); it needs the library's optional ``kvio_load_layer_dma``.
+    there); it needs the library's optional ``kvio_load_layer_dma``. With ``staged_load``
+    the all-layer load has a ``staged`` variant too, the write-back's mirror (copies of whole
+    host pages into the staging buffer, then a device scatter; same page window and index
+    residency); it needs the library's optional ``kvio_load_all_staged``.
     """
     kinds = (Kind.MHA, Kind.MLA)
     contiguous = (Layout.PAGE_FIRST, Layout.PAGE_FIRST_DIRECT, Layout.PAGE_HEAD)
@@ -164,17 +176,21 @@ def native_ops(staging_bytes: int = DEFAULT_STAGING_BYTES,
                      layouts=frozenset(dma_load_layouts), host_index=on_cpu,
                      device_index=on_cpu, variant=NativeBackend.DMA, batched_memcpy=True,
                      min_page_bytes=dma_min_page_bytes, **common),) if dma_load_layouts else ()
+    staged: dict[str, Any] = {"kinds": frozenset(kinds), "layouts": frozenset(contiguous),
+                              "host_index": on_cpu, "device_index": IndexSpec(Residency.DEVICE),
+                              "variant": NativeBackend.STAGED, "staged": True,
+                              "staging_bytes": staging_bytes, "batched_memcpy": True,
+                              "contiguous_pages": True, "min_page_bytes": staged_min_page_bytes,
+                              **common}
+    load_staged = (OpSupport(op=Op.LOAD_ALL, **staged),) if staged_load else ()
     return (
         *dma,
-        OpSupport(op=Op.WRITE_BACK, kinds=frozenset(kinds), layouts=frozenset(contiguous),
-                  host_index=IndexSpec(Residency.HOST, (torch.int64,)),
-                  device_index=IndexSpec(Residency.DEVICE), variant="staged", staged=True,
-                  staging_bytes=staging_bytes, batched_memcpy=True, contiguous_pages=True,
-                  min_page_bytes=staged_min_page_bytes, **common),
+        OpSupport(op=Op.WRITE_BACK, **staged),
         op_support(Op.WRITE_BACK, kinds, tuple(Layout), Residency.DEVICE, Residency.DEVICE,
                    variant="direct", **common),
         op_support(Op.LOAD_LAYER, kinds, tuple(Layout), Residency.DEVICE, Residency.DEVICE,
                    variant="direct", **common),
+        *load_staged,
         op_support(Op.LOAD_ALL, kinds, tuple(Layout), Residency.DEVICE, Residency.DEVICE,
                    variant="direct", **common),
     )

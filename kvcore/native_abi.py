@@ -146,6 +146,8 @@ PROTOTYPES: dict[str, tuple[Any, tuple[Any, ...]]] = {
 OPTIONAL_PROTOTYPES: dict[str, tuple[Any, tuple[Any, ...]]] = {
     # kvio_transfer_direct's arguments; the caller vouches for the chained-load guarantee
     "kvio_transfer_direct_chained": PROTOTYPES["kvio_transfer_direct"],
+    # kvio_write_back_staged's arguments, the other direction
+    "kvio_load_all_staged": PROTOTYPES["kvio_write_back_staged"],
     "kvio_load_layer_dma": (_c.c_int, (
         _c.c_void_p,    # k_dst (device address of the layer's K tensor)
         _c.c_void_p,    # v_dst (V tensor, NULL for MLA)
@@ -229,6 +231,10 @@ class NativeLibrary:
         """Whether the library exports the optional ``kvio_transfer_direct_chained``."""
         return "kvio_transfer_direct_chained" in self.optional
 
+    def has_load_all_staged(self) -> bool:
+        """Whether the library exports the optional ``kvio_load_all_staged``."""
+        return "kvio_load_all_staged" in self.optional
+
     def has_load_layer_dma(self) -> bool:
         """Whether the library exports the optional ``kvio_load_layer_dma``."""
         return "kvio_load_layer_dma" in self.optional
@@ -303,7 +309,32 @@ class NativeLibrary:
         InvalidArgument before any call for an argument out of range, KernelError when the
         library returns a nonzero status.
         """
-        status = self._lib.kvio_write_back_staged(
+        self._staged("kvio_write_back_staged", k_ptrs, v_ptrs, num_layers, host_base, layout,
+                     host_idx_cpu, dev_idx, dev_idx_64, n_tokens, staging, staging_bytes,
+                     use_batched, stream)
+
+    def load_all_staged(self, k_ptrs: int, v_ptrs: int | None, num_layers: int,
+                        host_base: int, layout: KvioLayout | Mapping[str, int],
+                        host_idx_cpu: int, dev_idx: int, dev_idx_64: int, n_tokens: int,
+                        staging: int, staging_bytes: int, use_batched: int | bool,
+                        stream: int | None) -> None:
+        """``kvio_load_all_staged`` (optional): :meth:`write_back_staged` the other way, whole
+        host pages copied into ``staging`` (batched when ``use_batched`` and the runtime has
+        it), then scattered into the device pool. Same arguments; raises BuildError when the
+        library lacks the function.
+        """
+        if not self.has_load_all_staged():
+            raise BuildError(f"{self._where()} does not export kvio_load_all_staged (a stale "
+                             f"library; rebuild the {self.name} library)")
+        self._staged("kvio_load_all_staged", k_ptrs, v_ptrs, num_layers, host_base, layout,
+                     host_idx_cpu, dev_idx, dev_idx_64, n_tokens, staging, staging_bytes,
+                     use_batched, stream)
+
+    def _staged(self, function: str, k_ptrs: int, v_ptrs: int | None, num_layers: int,
+                host_base: int, layout: KvioLayout | Mapping[str, int], host_idx_cpu: int,
+                dev_idx: int, dev_idx_64: int, n_tokens: int, staging: int,
+                staging_bytes: int, use_batched: int | bool, stream: int | None) -> None:
+        status = getattr(self._lib, function)(
             _ptr("k_ptrs", k_ptrs),
             _ptr("v_ptrs", v_ptrs),
             _int("num_layers", num_layers, _INT32),
@@ -318,7 +349,7 @@ class NativeLibrary:
             _flag("use_batched", use_batched),
             _ptr("stream", stream),
         )
-        self.check("kvio_write_back_staged", status)
+        self.check(function, status)
 
     def load_layer_dma(self, k_dst: int, v_dst: int | None, layer: int, host_base: int,
                        layout: KvioLayout | Mapping[str, int], host_idx_cpu: int,

@@ -22,6 +22,9 @@ class RecordingLibrary:
     def write_back_staged(self, *args: Any) -> None:
         self.calls.append(("staged", args))
 
+    def load_all_staged(self, *args: Any) -> None:
+        self.calls.append(("staged load", args))
+
     def load_layer_dma(self, *args: Any) -> None:
         self.calls.append(("dma", args))
 
@@ -53,7 +56,7 @@ def _run(backend: CpuNative, dev: DevicePool, host: HostPool, op: Op, variant: s
     from kvcore.layout import Layout
     from kvcore.native import native_ops
 
-    ops = native_ops(dma_load_layouts=(Layout.LAYER_FIRST,))
+    ops = native_ops(dma_load_layouts=(Layout.LAYER_FIRST,), staged_load=True)
     support = next(s for s in ops if s.op is op and s.variant == variant)
     h = torch.arange(16, 32, dtype=torch.int64)
     d = torch.arange(16, dtype=torch.int32)
@@ -75,6 +78,58 @@ def test_staged_write_back_passes_cpu_host_indices_a_staging_buffer_and_the_layo
     assert make_layout(layout).as_dict() == layout_fields(host.strides)
     assert (d64, n, staging_bytes, batched, stream) == (0, 16, 1 << 20, 1, 0)
     assert staging == backend.staging(0).data_ptr()
+
+
+def test_staged_load_of_all_layers_passes_the_write_back_arguments_to_its_own_function(
+) -> None:
+    backend, lib, dev, host = _setup("page_first")
+    _run(backend, dev, host, Op.WRITE_BACK, "staged")
+    host_idx, dev_idx = _run(backend, dev, host, Op.LOAD_ALL, "staged")
+    (wb, wb_args), (load, load_args) = lib.calls
+    assert (wb, load) == ("staged", "staged load")
+    # same pools, struct and staging buffer (one per stream): only the function differs
+    assert load_args[:4] == wb_args[:4] and load_args[7:] == wb_args[7:]
+    assert load_args[4] is wb_args[4]
+    assert load_args[5:7] == (host_idx.data_ptr(), dev_idx.data_ptr())
+
+
+def test_the_staged_load_is_opt_in_and_declared_before_the_direct_one() -> None:
+    from kvcore.capabilities import Residency
+    from kvcore.native import STAGED_MIN_PAGE_BYTES, native_ops
+
+    assert [s.variant for s in native_ops() if s.op is Op.LOAD_ALL] == ["direct"]
+    ops = native_ops(staged_load=True, staging_bytes=1 << 24)
+    loads = [s for s in ops if s.op is Op.LOAD_ALL]
+    assert [s.variant for s in loads] == ["staged", "direct"]
+    staged = loads[0]
+    write_back = next(s for s in ops if s.op is Op.WRITE_BACK and s.variant == "staged")
+    assert staged.layouts == write_back.layouts
+    assert staged.host_index.residency is Residency.HOST
+    assert staged.device_index.residency is Residency.DEVICE
+    assert staged.staged and staged.contiguous_pages and staged.batched_memcpy
+    assert (staged.staging_bytes, staged.min_page_bytes) == (1 << 24, STAGED_MIN_PAGE_BYTES)
+
+
+def test_kvio_cuda_stages_all_layer_loads_of_contiguous_pages_of_64_kib_and_more() -> None:
+    import kvio_cuda
+
+    from kvcore.capabilities import HostMemory
+    from kvcore.layout import Layout
+    from kvcore.plan import TransferPlan
+    from kvcore.registry import make_request
+
+    loads = [s for s in kvio_cuda.CAPABILITIES.ops if s.op is Op.LOAD_ALL]
+    for layout in Layout:
+        req = make_request(Op.LOAD_ALL, "mha", layout, torch.bfloat16, 1152, "cpu")
+        plan = TransferPlan(request=req, backend_name="cuda", backend_version="0",
+                            host_memory=HostMemory.PINNED,
+                            variants=tuple(s for s in loads if layout in s.layouts),
+                            instance=lambda: None)
+        contiguous = layout in (Layout.PAGE_FIRST, Layout.PAGE_FIRST_DIRECT, Layout.PAGE_HEAD)
+        assert plan.select(64 << 10).variant == ("staged" if contiguous else "direct"), layout
+        assert plan.select((64 << 10) - 16).variant == "direct", layout
+        assert plan.place(torch.arange(64), torch.arange(64), 1 << 20).support.variant == (
+            "staged" if contiguous else "direct"), layout
 
 
 def test_direct_load_of_one_layer_passes_that_layer_and_both_index_widths() -> None:

@@ -429,6 +429,10 @@ class FakeDmaLib(FakeLib):
         self.calls.append(("kvio_transfer_direct_chained", args))
         return self.status
 
+    def kvio_load_all_staged(self, *args: Any) -> int:
+        self.calls.append(("kvio_load_all_staged", args))
+        return self.status
+
 
 def _values(args: tuple[Any, ...]) -> list[Any]:
     """The arguments a stand-in received: checked plain ints, None for NULL, the layout."""
@@ -517,6 +521,32 @@ def test_write_back_staged_marshalling() -> None:
     assert values[:4] == [0x1000, 0x2000, 61, 0x3000]
     assert values[4].as_dict() == LAYOUT
     assert values[5:] == [0x4000, 0x5000, 0, 4096, 0x6000, 64 << 20, 1, 0x7000]
+
+
+def test_load_all_staged_marshalling_mirrors_the_staged_write_back() -> None:
+    fake = FakeDmaLib()
+    lib = _native.NativeLibrary("fake.so", lib=fake)
+    assert lib.has_load_all_staged()
+    args = (0x1000, None, 61, 0x3000, LAYOUT, 0x4000, 0x5000, 1, 64 * 64, 0x6000, 64 << 20,
+            False, 0x7000)
+    lib.load_all_staged(*args)
+    lib.write_back_staged(*args)
+    (load, load_args), (wb, wb_args) = fake.calls
+    assert (load, wb) == ("kvio_load_all_staged", "kvio_write_back_staged")
+    assert _argtypes(load) == _argtypes(wb)
+    values = _values(load_args)
+    assert values[:4] == [0x1000, None, 61, 0x3000]
+    assert values[4].as_dict() == LAYOUT
+    assert values[5:] == [0x4000, 0x5000, 1, 4096, 0x6000, 64 << 20, 0, 0x7000]
+    assert values[5:] == _values(wb_args)[5:]
+    with pytest.raises(InvalidArgument, match="staging_bytes"):
+        lib.load_all_staged(*args[:10], 1 << 63, *args[11:])
+    with pytest.raises(KernelError, match=r"^kvio_load_all_staged: an illegal memory"):
+        _native.NativeLibrary("fake.so", lib=FakeDmaLib(status=700)).load_all_staged(*args)
+    without = _native.NativeLibrary("fake.so", lib=FakeLib())
+    assert not without.has_load_all_staged()
+    with pytest.raises(BuildError, match="does not export kvio_load_all_staged"):
+        without.load_all_staged(*args)
 
 
 def test_load_layer_dma_marshalling() -> None:
@@ -635,6 +665,26 @@ def test_real_library_refuses_bad_arguments_before_any_cuda_call(
     with pytest.raises(KernelError,
                        match=r"kvio_transfer_direct: invalid argument \(cuda error 1\)"):
         real_library.transfer_direct(0, 0, 0, 0, 1, 1, layout, 1, 0, 1, 0, 64, 0)
+
+
+def test_real_library_staged_load_refuses_bad_arguments_before_any_cuda_call(
+        real_library: _native.NativeLibrary) -> None:
+    assert real_library.has_load_all_staged()
+    raw = real_library._lib
+    layout = _native.KvioLayout.from_fields(LAYOUT)
+    # the staged write-back's checks: not whole pages, pages not contiguous, NULL staging,
+    # a staging buffer smaller than one page; nothing to do is a success
+    assert raw.kvio_load_all_staged(1, 0, 32, 1, layout, 1, 1, 0, 63, 1, 1 << 30, 1,
+                                    None) == 1
+    assert raw.kvio_load_all_staged(1, 0, 16, 1, layout, 1, 1, 0, 64, 1, 1 << 30, 1,
+                                    None) == 1
+    assert raw.kvio_load_all_staged(1, 0, 32, 1, layout, 1, 1, 0, 64, None, 1 << 30, 1,
+                                    None) == 1
+    host_idx = (ctypes.c_int64 * 64)(*range(64))
+    assert raw.kvio_load_all_staged(1, 0, 32, 1, layout, host_idx, 1, 0, 64, 1, 1024, 1,
+                                    None) == 1
+    assert raw.kvio_load_all_staged(1, 0, 32, 1, layout, 1, 1, 0, 0, 1, 1 << 30, 1,
+                                    None) == 0
 
 
 def test_real_library_chained_transfer_refuses_bad_arguments_before_any_cuda_call(

@@ -1,7 +1,7 @@
-"""kvio_cuda's copy-engine per-layer load and its K/V-split staged write-back, against the
+"""kvio_cuda's copy-engine per-layer load and its staged write-back and load, against the
 reference on the GPU (CUDA machines only; skipped with the reason elsewhere).
 
-The conformance suite (`kvio check cuda`) covers both variants through the capability records;
+The conformance suite (`kvio check cuda`) covers these variants through the capability records;
 these tests aim at what it cannot choose: index patterns that split and merge copy runs, and a
 staging budget small enough that one page of K and V together does not fit twice.
 """
@@ -136,3 +136,32 @@ def test_staged_write_back_splits_k_and_v_when_a_page_pair_does_not_fit_twice(
     _plan(Op.WRITE_BACK, "mha", "page_first", "reference").transfer(dev, expected, h, d)
     torch.cuda.synchronize()
     assert torch.equal(host.buffer.view(torch.int16), expected.buffer.view(torch.int16))
+
+
+@pytest.mark.parametrize("kind", ["mha", "mla"])
+@pytest.mark.parametrize("staging_pages", [1, 3, None])  # None: the shipped staging budget
+def test_staged_all_layer_load_equals_the_reference_for_any_staging_budget(
+        kind: str, staging_pages: int | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    gen = torch.Generator().manual_seed(13)
+    plan = _plan(Op.LOAD_ALL, kind, "page_first", "cuda")
+    page_bytes = plan.page_bytes(PAGE, LAYERS)
+    assert plan.select(page_bytes).variant == "staged"
+    if staging_pages is not None:  # a page of K and V together fits once (1) or not twice (3)
+        backend = plan.instance()
+        monkeypatch.setattr(backend, "staging_bytes",
+                            staging_pages * page_bytes + page_bytes // 2)
+        monkeypatch.setattr(backend, "_staging", {})
+    ref = _plan(Op.LOAD_ALL, kind, "page_first", "reference")
+    for name, (h, d) in _index_patterns(gen).items():
+        if name in ("tokens", "ragged"):
+            continue  # the staged variant moves whole pages only
+        dev, host = _pools(kind, "page_first", gen)
+        expected = dev.clone()
+        plan.transfer(dev, host, h, d.to(DEVICE))
+        ref.transfer(expected, host, h, d.to(DEVICE))
+        torch.cuda.synchronize()
+        for kv in range(2 if kind == "mha" else 1):
+            for layer in range(LAYERS):  # untouched slots included: expected started as dev
+                got, want = dev.layers(kv)[layer], expected.layers(kv)[layer]
+                assert torch.equal(got.view(torch.int16), want.view(torch.int16)), \
+                    (name, kv, layer)

@@ -63,6 +63,13 @@ def check_availability() -> Availability:
 #: the copies (scripts/probe_dma_load.py, docs/benchmarks/h200-2026-12-03b/).
 DMA_LOAD_LAYOUTS: tuple[Layout, ...] = (Layout.LAYER_FIRST, Layout.PAGE_FIRST_DIRECT)
 
+#: all-layer loads of contiguous host pages (page_first, page_first_direct, page_head) go
+#: through the staged variant: copy-engine copies of whole pages into the staging buffer, then
+#: a device scatter. The zero-copy kernel holds 0.92-0.93 of the ceiling there, with rows
+#: single rows dipping to 0.74, while the ceiling (a copy-engine copy) stayed within 1 % in the
+#: same runs (docs/benchmarks/h200-2026-12-03b/).
+STAGED_LOAD = True
+
 CAPABILITIES = Capabilities(
     name="cuda",
     version=__version__,
@@ -71,13 +78,15 @@ CAPABILITIES = Capabilities(
     priority=100,
     probe=check_availability,
     # per-layer loads from layouts that keep a layer's tokens back to back go through the copy
-    # engine (contiguous DMA beats SMs reading pinned memory); the rest use the direct kernel
-    ops=native_ops(dma_load_layouts=DMA_LOAD_LAYOUTS),
+    # engine (contiguous DMA beats SMs reading pinned memory); the rest use the direct kernel.
+    # All-layer loads of contiguous host pages are staged, as write-backs are.
+    ops=native_ops(dma_load_layouts=DMA_LOAD_LAYOUTS, staged_load=STAGED_LOAD),
     host_memory=HostMemory.PINNED,
     device_types=frozenset({"cuda"}),
     description="NVIDIA kernels: staged batched-memcpy and direct non-temporal write-back, "
-                "zero-copy loads" + (", copy-engine per-layer loads where a layer is contiguous"
-                                     if DMA_LOAD_LAYOUTS else ""),
+                "zero-copy loads" + (", staged all-layer loads" if STAGED_LOAD else "")
+                + (", copy-engine per-layer loads where a layer is contiguous"
+                   if DMA_LOAD_LAYOUTS else ""),
 )
 
 

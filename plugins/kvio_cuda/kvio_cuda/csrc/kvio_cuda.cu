@@ -7,6 +7,8 @@
 //                           any layer range; the host side is touched directly by the SMs.
 //   kvio_write_back_staged  device gather into a staging buffer laid out as the host page
 //                           image, then one (batched) DMA copy per run of host pages.
+//   kvio_load_all_staged    (optional) the reverse: DMA of whole host pages into staging,
+//                           then a device scatter into the pool.
 //   kvio_transfer_direct_chained  (optional) the same, for the second and later layers of
 //                           one per-layer load: may read the host before the previous layer's
 //                           kernel has finished (see copy_body).
@@ -70,8 +72,8 @@ constexpr int kUnroll = KVIO_UNROLL;  // vectors in flight per thread (loads bef
 constexpr int kBlocksPerSm = KVIO_BLOCKS_PER_SM;  // default 4: 1024 threads, <= 64 regs each
 constexpr int kMaxDevices = 256;
 constexpr int64_t kTile = int64_t(kThreads) * kUnroll;  // vectors per block per iteration
-// The staged write-back splits a transfer that fits into the staging buffer into chunks
-// (so the gather of chunk i+1 overlaps the DMA of chunk i) only above this size.
+// A staged transfer that fits into the staging buffer is split into chunks (so the device
+// relayout of one chunk overlaps the DMA of the next) only above this size.
 constexpr int64_t kPipelineMinBytes = int64_t(16) << 20;
 constexpr int64_t kPipelineChunks = 4;
 
@@ -816,11 +818,13 @@ cudaError_t copy_runs(const std::vector<void*>& dsts, const std::vector<const vo
     return cudaSuccess;
 }
 
-// Issues the DMA copies of one staged chunk: pages [p0, p0 + cp) whose images sit in `buf`
-// as [kv][page] runs of page_bytes. Runs contiguous on both sides are merged.
-cudaError_t issue_copies(const char* buf, int64_t p0, int64_t cp, int num_kv,
+// Issues the DMA copies of one staged chunk, pages [p0, p0 + cp), between their images in
+// `buf` ([kv][page] runs of page_bytes) and their host pages: to the host for a write-back,
+// from it for a load. Runs contiguous on both sides are merged.
+cudaError_t issue_copies(int direction, char* buf, int64_t p0, int64_t cp, int num_kv,
                          int64_t page_bytes, char* host_base, const kvio_layout& L,
                          const int64_t* host_idx_cpu, bool batched, cudaStream_t stream) {
+    const bool to_host = direction == kDeviceToHost;
     std::vector<void*> dsts;
     std::vector<const void*> srcs;
     std::vector<size_t> sizes;
@@ -830,8 +834,10 @@ cudaError_t issue_copies(const char* buf, int64_t p0, int64_t cp, int num_kv,
     for (int kv = 0; kv < num_kv; ++kv) {
         for (int64_t s = 0; s < cp; ++s) {
             const int64_t h0 = host_idx_cpu[(p0 + s) * L.page_size];
-            char* dst = host_base + kv * L.kv_stride + (h0 / L.page_size) * L.page_stride;
-            const char* src = buf + (kv * cp + s) * page_bytes;
+            char* host = host_base + kv * L.kv_stride + (h0 / L.page_size) * L.page_stride;
+            char* stage = buf + (kv * cp + s) * page_bytes;
+            char* dst = to_host ? host : stage;
+            const char* src = to_host ? stage : host;
             if (!sizes.empty() &&
                 static_cast<char*>(dsts.back()) + sizes.back() == dst &&
                 static_cast<const char*>(srcs.back()) + sizes.back() == src) {
@@ -843,15 +849,24 @@ cudaError_t issue_copies(const char* buf, int64_t p0, int64_t cp, int num_kv,
             }
         }
     }
-    return copy_runs(dsts, srcs, sizes, cudaMemcpyDeviceToHost, batched, stream);
+    return copy_runs(dsts, srcs, sizes,
+                     to_host ? cudaMemcpyDeviceToHost : cudaMemcpyHostToDevice, batched,
+                     stream);
 }
 
-// Events of one pipelined staged write-back. The destructor releases them and, if the call
-// stops early after side-stream work was enqueued, still makes the caller's stream wait for
-// that work so the staging buffer is never reused under a running copy.
+// Events of one pipelined staged transfer. Chunk i uses staging half i % 2 in two steps: a
+// fill (the gather of a write-back, on the caller's stream; the DMA of a load, on the side
+// stream), then a drain on the other stream (the DMA of a write-back; the scatter of a
+// load). The destructor releases the events and, if the call stops early after side-stream
+// work was enqueued, still makes the caller's stream wait for that work so the staging
+// buffer is never reused under a running copy.
 class Pipeline {
   public:
-    Pipeline(cudaStream_t caller, cudaStream_t side) : caller_(caller), side_(side) {}
+    Pipeline(cudaStream_t caller, cudaStream_t side, bool fill_on_side)
+        : caller_(caller),
+          side_(side),
+          fill_(fill_on_side ? side : caller),
+          drain_(fill_on_side ? caller : side) {}
     Pipeline(const Pipeline&) = delete;
     Pipeline& operator=(const Pipeline&) = delete;
     ~Pipeline() {
@@ -864,45 +879,53 @@ class Pipeline {
                 (void)cudaEventDestroy(e);
             }
         }
-        for (cudaEvent_t e : {gathered_, copied_[0], copied_[1]}) {
+        for (cudaEvent_t e : {filled_, drained_[0], drained_[1]}) {
             if (e != nullptr) (void)cudaEventDestroy(e);  // deferred by the runtime if pending
         }
     }
 
+    // Creates the events. A fill on the side stream first waits for everything the caller
+    // enqueued before this call (which may still be writing the host pages it reads).
     cudaError_t init() {
-        KVIO_CHECK(cudaEventCreateWithFlags(&gathered_, cudaEventDisableTiming));
-        KVIO_CHECK(cudaEventCreateWithFlags(&copied_[0], cudaEventDisableTiming));
-        KVIO_CHECK(cudaEventCreateWithFlags(&copied_[1], cudaEventDisableTiming));
-        return cudaSuccess;
-    }
-
-    // Before gathering into half b: wait for the copies that last read it (two chunks ago).
-    cudaError_t before_gather(int b) {
-        if (copied_recorded_[b]) {
-            KVIO_CHECK(cudaStreamWaitEvent(caller_, copied_[b], 0));
+        KVIO_CHECK(cudaEventCreateWithFlags(&filled_, cudaEventDisableTiming));
+        KVIO_CHECK(cudaEventCreateWithFlags(&drained_[0], cudaEventDisableTiming));
+        KVIO_CHECK(cudaEventCreateWithFlags(&drained_[1], cudaEventDisableTiming));
+        if (fill_ == side_) {
+            KVIO_CHECK(cudaEventRecord(filled_, caller_));
+            side_pending_ = true;
+            KVIO_CHECK(cudaStreamWaitEvent(side_, filled_, 0));
         }
         return cudaSuccess;
     }
 
-    // After the gather of half b on the caller's stream: the side stream waits for it.
-    cudaError_t after_gather() {
-        KVIO_CHECK(cudaEventRecord(gathered_, caller_));
-        side_pending_ = true;  // from here on the side stream may hold work of this call
-        KVIO_CHECK(cudaStreamWaitEvent(side_, gathered_, 0));
+    // Before filling half b: wait for the drain that last used it (two chunks ago).
+    cudaError_t before_fill(int b) {
+        if (drained_recorded_[b]) {
+            KVIO_CHECK(cudaStreamWaitEvent(fill_, drained_[b], 0));
+        }
         return cudaSuccess;
     }
 
-    cudaError_t after_copies(int b) {
-        KVIO_CHECK(cudaEventRecord(copied_[b], side_));
-        copied_recorded_[b] = true;
+    // After a fill: the draining stream waits for it.
+    cudaError_t after_fill() {
+        KVIO_CHECK(cudaEventRecord(filled_, fill_));
+        side_pending_ = true;  // from here on the side stream may hold work of this call
+        KVIO_CHECK(cudaStreamWaitEvent(drain_, filled_, 0));
+        return cudaSuccess;
+    }
+
+    cudaError_t after_drain(int b) {
+        KVIO_CHECK(cudaEventRecord(drained_[b], drain_));
+        drained_recorded_[b] = true;
         last_ = b;
         return cudaSuccess;
     }
 
-    // The caller's stream waits for the last copies (the side stream runs in order).
+    // The caller's stream waits for the last drain where that ran on the side stream (which
+    // runs in order); a drain on the caller's stream has already followed every fill.
     cudaError_t join() {
-        if (last_ >= 0) {
-            KVIO_CHECK(cudaStreamWaitEvent(caller_, copied_[last_], 0));
+        if (drain_ == side_ && last_ >= 0) {
+            KVIO_CHECK(cudaStreamWaitEvent(caller_, drained_[last_], 0));
         }
         side_pending_ = false;
         return cudaSuccess;
@@ -911,9 +934,11 @@ class Pipeline {
   private:
     cudaStream_t caller_;
     cudaStream_t side_;
-    cudaEvent_t gathered_ = nullptr;
-    cudaEvent_t copied_[2] = {nullptr, nullptr};
-    bool copied_recorded_[2] = {false, false};
+    cudaStream_t fill_;
+    cudaStream_t drain_;
+    cudaEvent_t filled_ = nullptr;
+    cudaEvent_t drained_[2] = {nullptr, nullptr};
+    bool drained_recorded_[2] = {false, false};
     bool side_pending_ = false;
     int last_ = -1;
 };
@@ -971,13 +996,18 @@ cudaError_t transfer_direct(int direction, const uint64_t* k_ptrs, const uint64_
                        guard.device(), chained, s);
 }
 
-cudaError_t write_back_staged(const uint64_t* k_ptrs, const uint64_t* v_ptrs,
-                              int32_t num_layers, void* host_base, const kvio_layout& layout,
-                              const int64_t* host_idx_cpu, const void* dev_idx, int dev_idx_64,
-                              int64_t n_tokens, void* staging, int64_t staging_bytes,
-                              int use_batched, void* stream) {
-    if (k_ptrs == nullptr || host_base == nullptr || num_layers <= 0 || n_tokens < 0 ||
-        !layout_ok(layout)) {
+// The staged transfer of all layers of whole pages, either direction. Write-back: a device
+// gather of the pages into `staging` laid out as the host page images, then DMA copies of
+// the images to the host pages. Load: the reverse, DMA of the host pages into staging, then
+// a device scatter into the pool. Transfers beyond the staging buffer (or large enough to
+// gain from it) go in chunks whose device relayout overlaps the DMA of the next chunk.
+cudaError_t transfer_staged(int direction, const uint64_t* k_ptrs, const uint64_t* v_ptrs,
+                            int32_t num_layers, void* host_base, const kvio_layout& layout,
+                            const int64_t* host_idx_cpu, const void* dev_idx, int dev_idx_64,
+                            int64_t n_tokens, void* staging, int64_t staging_bytes,
+                            int use_batched, void* stream) {
+    if ((direction != kDeviceToHost && direction != kHostToDevice) || k_ptrs == nullptr ||
+        host_base == nullptr || num_layers <= 0 || n_tokens < 0 || !layout_ok(layout)) {
         return cudaErrorInvalidValue;
     }
     if (n_tokens == 0) {
@@ -1002,16 +1032,16 @@ cudaError_t write_back_staged(const uint64_t* k_ptrs, const uint64_t* v_ptrs,
     const int64_t slot_bytes = num_kv * page_bytes;  // one page of K (and V) in staging
     const int64_t capacity = staging_bytes / slot_bytes;
     if (num_kv == 2 && capacity < 2 && staging_bytes >= page_bytes) {
-        // A page of K and V together does not fit twice, so the gather of one page could not
-        // overlap the copy of the previous one (or does not fit at all): stage all of K, then
-        // all of V, each pipelined where its own pages fit twice.
-        KVIO_CHECK(write_back_staged(k_ptrs, nullptr, num_layers, host_base, layout,
-                                     host_idx_cpu, dev_idx, dev_idx_64, n_tokens, staging,
-                                     staging_bytes, use_batched, stream));
-        return write_back_staged(v_ptrs, nullptr, num_layers,
-                                 static_cast<char*>(host_base) + layout.kv_stride, layout,
-                                 host_idx_cpu, dev_idx, dev_idx_64, n_tokens, staging,
-                                 staging_bytes, use_batched, stream);
+        // A page of K and V together does not fit twice, so the relayout of one page could
+        // not overlap the copy of another (or does not fit at all): stage all of K, then all
+        // of V, each pipelined where its own pages fit twice.
+        KVIO_CHECK(transfer_staged(direction, k_ptrs, nullptr, num_layers, host_base, layout,
+                                   host_idx_cpu, dev_idx, dev_idx_64, n_tokens, staging,
+                                   staging_bytes, use_batched, stream));
+        return transfer_staged(direction, v_ptrs, nullptr, num_layers,
+                               static_cast<char*>(host_base) + layout.kv_stride, layout,
+                               host_idx_cpu, dev_idx, dev_idx_64, n_tokens, staging,
+                               staging_bytes, use_batched, stream);
     }
     if (capacity < 1) {
         return cudaErrorInvalidValue;  // the staging buffer cannot hold a single page
@@ -1041,8 +1071,9 @@ cudaError_t write_back_staged(const uint64_t* k_ptrs, const uint64_t* v_ptrs,
     }
 
     const size_t idx_bytes = dev_idx_64 ? sizeof(int64_t) : sizeof(int32_t);
-    auto gather = [&](char* buf, int64_t p0, int64_t cp) -> cudaError_t {
-        // The staging chunk seen as a host buffer: [kv][page][page image], identity indices.
+    // The device side of chunk [p0, p0 + cp) on the caller's stream: the staging chunk seen
+    // as a host buffer ([kv][page][page image], identity indices) gathered or scattered.
+    auto relayout = [&](char* buf, int64_t p0, int64_t cp) -> cudaError_t {
         kvio_layout st = layout;
         st.kv_stride = cp * page_bytes;
         st.page_stride = page_bytes;
@@ -1051,44 +1082,46 @@ cudaError_t write_back_staged(const uint64_t* k_ptrs, const uint64_t* v_ptrs,
         p.dev_idx = static_cast<const char*>(dev_idx) + static_cast<size_t>(p0 * P) * idx_bytes;
         p.dev_idx_64 = dev_idx_64 ? 1 : 0;
         p.layer_begin = 0;
-        return launch_copy(kDeviceToHost, p, num_kv, cp * P, num_layers, layout.num_chunks,
+        return launch_copy(direction, p, num_kv, cp * P, num_layers, layout.num_chunks,
                            guard.device(), false, s);
     };
+    const bool to_host = direction == kDeviceToHost;
     char* host = static_cast<char*>(host_base);
     char* stage = static_cast<char*>(staging);
+    auto dma = [&](char* buf, int64_t p0, int64_t cp, cudaStream_t on) -> cudaError_t {
+        return issue_copies(direction, buf, p0, cp, num_kv, page_bytes, host, layout,
+                            host_idx_cpu, batched, on);
+    };
 
     if (!pipelined) {
-        // Everything on the caller's stream: gather, copy, next chunk (stream order makes
-        // reusing the single buffer safe).
+        // Everything on the caller's stream, chunk after chunk (stream order makes reusing
+        // the single buffer safe).
         for (int64_t p0 = 0; p0 < num_pages; p0 += chunk_pages) {
             const int64_t cp = num_pages - p0 < chunk_pages ? num_pages - p0 : chunk_pages;
-            KVIO_CHECK(gather(stage, p0, cp));
-            KVIO_CHECK(issue_copies(stage, p0, cp, num_kv, page_bytes, host, layout,
-                                    host_idx_cpu, batched, s));
+            KVIO_CHECK(to_host ? relayout(stage, p0, cp) : dma(stage, p0, cp, s));
+            KVIO_CHECK(to_host ? dma(stage, p0, cp, s) : relayout(stage, p0, cp));
         }
         return cudaSuccess;
     }
 
-    // Two halves of staging. Chunk i uses half i % 2: gathered on the caller's stream (after
-    // everything the caller enqueued before, and after the copies of chunk i - 2 that read
-    // this half), copied on the device's side stream once its gather is done. The caller's
-    // stream finally waits for the last copy, so for the caller the whole call is stream
-    // ordered and the staging buffer is free again once its stream passes this point.
+    // Two halves of staging; chunk i uses half i % 2 (see Pipeline). The relayout runs on the
+    // caller's stream, the DMA on the device's side stream; the caller's stream finally
+    // waits for the last step, so for the caller the whole call is stream ordered and the
+    // staging buffer is free again once its stream passes this point.
     cudaStream_t side = nullptr;
     KVIO_CHECK(side_stream(guard.device(), &side));
-    Pipeline pipe(s, side);
+    Pipeline pipe(s, side, /*fill_on_side=*/!to_host);
     KVIO_CHECK(pipe.init());
     int64_t chunk = 0;
     for (int64_t p0 = 0; p0 < num_pages; p0 += chunk_pages, ++chunk) {
         const int64_t cp = num_pages - p0 < chunk_pages ? num_pages - p0 : chunk_pages;
         const int b = static_cast<int>(chunk & 1);
         char* buf = stage + b * half_bytes;
-        KVIO_CHECK(pipe.before_gather(b));
-        KVIO_CHECK(gather(buf, p0, cp));
-        KVIO_CHECK(pipe.after_gather());
-        KVIO_CHECK(issue_copies(buf, p0, cp, num_kv, page_bytes, host, layout, host_idx_cpu,
-                                batched, side));
-        KVIO_CHECK(pipe.after_copies(b));
+        KVIO_CHECK(pipe.before_fill(b));
+        KVIO_CHECK(to_host ? relayout(buf, p0, cp) : dma(buf, p0, cp, side));
+        KVIO_CHECK(pipe.after_fill());
+        KVIO_CHECK(to_host ? dma(buf, p0, cp, side) : relayout(buf, p0, cp));
+        KVIO_CHECK(pipe.after_drain(b));
     }
     return pipe.join();
 }
@@ -1251,9 +1284,19 @@ KVIO_API int kvio_write_back_staged(const uint64_t* k_ptrs, const uint64_t* v_pt
                                     const int64_t* host_idx_cpu, const void* dev_idx,
                                     int dev_idx_64, int64_t n_tokens, void* staging,
                                     int64_t staging_bytes, int use_batched, void* stream) {
-    return finish(write_back_staged(k_ptrs, v_ptrs, num_layers, host_base, layout,
-                                    host_idx_cpu, dev_idx, dev_idx_64, n_tokens, staging,
-                                    staging_bytes, use_batched, stream));
+    return finish(transfer_staged(kDeviceToHost, k_ptrs, v_ptrs, num_layers, host_base,
+                                  layout, host_idx_cpu, dev_idx, dev_idx_64, n_tokens, staging,
+                                  staging_bytes, use_batched, stream));
+}
+
+KVIO_API int kvio_load_all_staged(const uint64_t* k_ptrs, const uint64_t* v_ptrs,
+                                  int32_t num_layers, void* host_base, kvio_layout layout,
+                                  const int64_t* host_idx_cpu, const void* dev_idx,
+                                  int dev_idx_64, int64_t n_tokens, void* staging,
+                                  int64_t staging_bytes, int use_batched, void* stream) {
+    return finish(transfer_staged(kHostToDevice, k_ptrs, v_ptrs, num_layers, host_base,
+                                  layout, host_idx_cpu, dev_idx, dev_idx_64, n_tokens, staging,
+                                  staging_bytes, use_batched, stream));
 }
 
 KVIO_API int kvio_load_layer_dma(void* k_dst, void* v_dst, int32_t layer, void* host_base,
