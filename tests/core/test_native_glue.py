@@ -110,21 +110,27 @@ def test_the_staged_load_is_opt_in_and_declared_before_the_direct_one() -> None:
     assert (staged.staging_bytes, staged.min_page_bytes) == (1 << 24, STAGED_MIN_PAGE_BYTES)
 
 
-def test_kvio_cuda_stages_all_layer_loads_of_contiguous_pages_of_64_kib_and_more() -> None:
+def _kvio_cuda_plan(op: Op, layout: Any, element_bytes: int) -> Any:
+    """A plan over kvio_cuda's declared variants for ``op``/``layout`` (nothing to run)."""
     import kvio_cuda
 
     from kvcore.capabilities import HostMemory
-    from kvcore.layout import Layout
     from kvcore.plan import TransferPlan
     from kvcore.registry import make_request
 
-    loads = [s for s in kvio_cuda.CAPABILITIES.ops if s.op is Op.LOAD_ALL]
+    req = make_request(op, "mha", layout, torch.bfloat16, element_bytes, "cpu")
+    return TransferPlan(request=req, backend_name="cuda", backend_version="0",
+                        host_memory=HostMemory.PINNED,
+                        variants=tuple(s for s in kvio_cuda.CAPABILITIES.ops
+                                       if s.op is op and layout in s.layouts),
+                        instance=lambda: None)
+
+
+def test_kvio_cuda_stages_all_layer_loads_of_contiguous_pages_of_64_kib_and_more() -> None:
+    from kvcore.layout import Layout
+
     for layout in Layout:
-        req = make_request(Op.LOAD_ALL, "mha", layout, torch.bfloat16, 1152, "cpu")
-        plan = TransferPlan(request=req, backend_name="cuda", backend_version="0",
-                            host_memory=HostMemory.PINNED,
-                            variants=tuple(s for s in loads if layout in s.layouts),
-                            instance=lambda: None)
+        plan = _kvio_cuda_plan(Op.LOAD_ALL, layout, 1152)
         contiguous = layout in (Layout.PAGE_FIRST, Layout.PAGE_FIRST_DIRECT, Layout.PAGE_HEAD)
         assert plan.select(64 << 10).variant == ("staged" if contiguous else "direct"), layout
         assert plan.select((64 << 10) - 16).variant == "direct", layout
@@ -196,20 +202,10 @@ def test_the_dma_variant_is_declared_first_with_both_index_sets_on_the_cpu() -> 
 
 def test_kvio_cuda_loads_64_kib_layer_slices_by_the_copy_engine_and_smaller_ones_by_kernel(
 ) -> None:
-    import kvio_cuda
-
-    from kvcore.capabilities import HostMemory
     from kvcore.layout import Layout
-    from kvcore.plan import TransferPlan
-    from kvcore.registry import make_request
 
-    loads = [s for s in kvio_cuda.CAPABILITIES.ops if s.op is Op.LOAD_LAYER]
     for layout in Layout:
-        req = make_request(Op.LOAD_LAYER, "mha", layout, torch.bfloat16, 1024, "cpu")
-        plan = TransferPlan(request=req, backend_name="cuda", backend_version="0",
-                            host_memory=HostMemory.PINNED,
-                            variants=tuple(s for s in loads if layout in s.layouts),
-                            instance=lambda: None)
+        plan = _kvio_cuda_plan(Op.LOAD_LAYER, layout, 1024)
         contiguous = layout in (Layout.LAYER_FIRST, Layout.PAGE_FIRST_DIRECT)
         assert plan.select(64 << 10).variant == ("dma" if contiguous else "direct"), layout
         assert plan.select((64 << 10) - 16).variant == "direct", layout
