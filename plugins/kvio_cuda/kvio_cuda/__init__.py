@@ -65,9 +65,8 @@ DMA_LOAD_LAYOUTS: tuple[Layout, ...] = (Layout.LAYER_FIRST, Layout.PAGE_FIRST_DI
 
 #: all-layer loads of contiguous host pages (page_first, page_first_direct, page_head) go
 #: through the staged variant: copy-engine copies of whole pages into the staging buffer, then
-#: a device scatter. The zero-copy kernel holds 0.92-0.93 of the ceiling there, with rows
-#: single rows dipping to 0.74, while the ceiling (a copy-engine copy) stayed within 1 % in the
-#: same runs (docs/benchmarks/h200-2026-12-03b/).
+#: a device scatter. On the H200 it reaches 0.92-0.99 of the ceiling there, against 0.92-0.93
+#: for the zero-copy kernel (docs/benchmarks/h200-2026-12-03c/).
 STAGED_LOAD = True
 
 CAPABILITIES = Capabilities(
