@@ -16,8 +16,8 @@
 # copy-path probe (scripts/probe_h2d_paths.cu). issue: Python's cost per per-layer call.
 # dma: layer_first per-layer load, copy engine against the zero-copy kernel.
 # quick: the seed rows issue 4 missed, cuda only (QUICK_ARGS replaces the axes).
-# seed and quick warm up twice (BENCH_WARMUP): once per index set of the seed preset, so no
-# timed call is the first on its pages, as none of the ceiling's is.
+# seed and quick warm up BENCH_WARMUP rounds (default 1), each calling every index set once,
+# so no timed call is the first on its pages (kvio bench --warmup counts rounds).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-results}
@@ -58,7 +58,7 @@ bench)
 seed)
     tag=${SEED_TAG:-all}
     budget=$(( ${DEADLINE_S:-100000} - SECONDS - ${SEED_MARGIN_S:-60} ))
-    step "bench_seed_$tag" ${SEED_S:-3600} "${KVIO[@]}" bench --preset seed --layout ${SEED_LAYOUTS:-page_first,layer_first} ${SEED_ARGS:-} --backend cuda --backend reference --warmup ${BENCH_WARMUP:-2} --repeat 5 ${SEED_REFERENCE_REPEAT:+--reference-repeat "$SEED_REFERENCE_REPEAT"} --time-limit "$budget" --markdown "$R/bench_seed_$tag.md" --json "$R/bench_seed_$tag.json"
+    step "bench_seed_$tag" ${SEED_S:-3600} "${KVIO[@]}" bench --preset seed --layout ${SEED_LAYOUTS:-page_first,layer_first} ${SEED_ARGS:-} --backend cuda --backend reference --warmup ${BENCH_WARMUP:-1} --repeat 5 ${SEED_REFERENCE_REPEAT:+--reference-repeat "$SEED_REFERENCE_REPEAT"} --time-limit "$budget" --markdown "$R/bench_seed_$tag.md" --json "$R/bench_seed_$tag.json"
     ;;
 replay)
     step replay_cuda 120 "${KVIO[@]}" replay --device cuda --min-transfers 1000000 --concurrency 128 --sessions 1024 --log "$R/replay_cuda.jsonl"
@@ -92,7 +92,7 @@ dma)
     ;;
 quick)
     budget=$(( ${DEADLINE_S:-100000} - SECONDS - ${SEED_MARGIN_S:-60} ))
-    step bench_quick ${SEED_S:-3600} "${KVIO[@]}" bench --preset seed --backend cuda ${QUICK_ARGS:---op load_layer,write_back --layout page_first,layer_first --num-layers 16,48,72,80} --warmup ${BENCH_WARMUP:-2} --repeat 5 --time-limit "$budget" --markdown "$R/bench_quick.md" --json "$R/bench_quick.json"
+    step bench_quick ${SEED_S:-3600} "${KVIO[@]}" bench --preset seed --backend cuda ${QUICK_ARGS:---op load_layer,write_back --layout page_first,layer_first --num-layers 16,48,72,80} --warmup ${BENCH_WARMUP:-1} --repeat 5 --time-limit "$budget" --markdown "$R/bench_quick.md" --json "$R/bench_quick.json"
     ;;
 *) echo "unknown stage $stage"; exit 2;;
 esac; done

@@ -64,6 +64,6 @@ class Ceiling:
 
         # the ceiling is cheap and every row's ratio divides by it: time it over more calls
         steady = Clock(device, self.clock.warmup + 1, self.clock.repeat * CEILING_REPEAT_FACTOR)
-        timing = steady.measure(copy)
+        timing = steady.measure(copy, sets)
         del host, dev
         return timing

@@ -66,7 +66,9 @@ def header_lines(result: BenchResult) -> list[str]:
         f"{m.get('host_memory') or '-'} (pinned: {'yes' if m.get('pinned') else 'no'})",
         f"backends: {names}  timer: {s.get('timer')}"
         + (" on a dedicated stream" if s.get("stream") == "dedicated" else "")
-        + f", warm-up {s.get('warmup')}, "
+        + f", warm-up {s.get('warmup')}"
+        + (" rounds over every index set" if s.get("warmup_per") == "index set" else "")
+        + ", "
         f"repeat {s.get('repeat')} (median)"
         + (f", reference: repeat {s['reference_repeat']}, no warm-up"
            if s.get("reference_repeat") is not None else "")

@@ -193,7 +193,8 @@ class Bench:
                 row.ceiling = ceiling.measure(row.case.direction, row.case.bytes_moved)
                 row.ceiling_kind = ceiling.label(row.case.direction)
         add_speedups(rows)
-        settings = {"device": str(self.device), "warmup": self.warmup, "repeat": self.repeat,
+        settings = {"device": str(self.device), "warmup": self.warmup,
+                    "warmup_per": "index set", "repeat": self.repeat,
                     "seed": self.seed, "timer": clock.kind,
                     "stream": "dedicated" if has_streams(self.device) else "none",
                     **self.settings}
@@ -267,7 +268,7 @@ class Bench:
             row.status, row.reason = FAILED, f"differs from the reference: {diff}"
             return
         try:
-            row.timing = clock.measure(call)
+            row.timing = clock.measure(call, len(sets))
             call.check_completions()
         except Exception as exc:  # noqa: BLE001
             row.status, row.reason = FAILED, f"{type(exc).__name__}: {_first_line(exc)}"

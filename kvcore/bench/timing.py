@@ -1,8 +1,11 @@
 """Timing: device events on an accelerator, synchronised wall clock on the CPU.
 
-Each measurement runs ``warmup`` untimed calls, then ``repeat`` timed ones, and reports the
-median and spread. The call receives its repetition number so it can rotate among several
-input sets, which keeps caches from flattering small sizes.
+Each measurement runs ``warmup`` untimed rounds, each calling every one of its ``sets`` input
+sets once, then ``repeat`` timed calls, and reports the median and spread. The call receives
+its running number so it can rotate among the input sets, which keeps caches from flattering
+small sizes; the rounds make sure no timed call is the first on its set (on an H200, rows
+timed with a cold set measured up to 11 % under their warm value:
+docs/benchmarks/h200-2026-12-03c/).
 """
 
 from __future__ import annotations
@@ -82,16 +85,20 @@ class Clock:
         if has_streams(self.device):
             torch.get_device_module(self.device).synchronize(self.device)
 
-    def measure(self, call: Callable[[int], object]) -> Timing:
-        """Run ``call(i)`` for warm-up then timed repetitions; i counts every call from 0."""
-        for i in range(self.warmup):
+    def measure(self, call: Callable[[int], object], sets: int = 1) -> Timing:
+        """Run ``call(i)`` for ``warmup`` rounds of ``sets`` calls, then for the timed
+        repetitions; i counts every call from 0, so ``i % sets`` walks the input sets."""
+        if sets < 1:
+            raise InvalidArgument("sets", "a positive int", str(sets))
+        warm = self.warmup * sets
+        for i in range(warm):
             call(i)
         self.synchronize()
         if not has_streams(self.device):
             samples = []
             for i in range(self.repeat):
                 t0 = time.perf_counter()
-                call(self.warmup + i)
+                call(warm + i)
                 samples.append((time.perf_counter() - t0) * 1e3)
             return Timing(tuple(samples))
         module = torch.get_device_module(self.device)
@@ -100,7 +107,7 @@ class Clock:
         for i in range(self.repeat):
             start, end = (module.Event(enable_timing=True) for _ in range(2))
             start.record(stream)
-            call(self.warmup + i)
+            call(warm + i)
             end.record(stream)
             pairs.append((start, end))
         self.synchronize()

@@ -42,7 +42,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                        metavar="V[,V...]")
     p.add_argument("--device", default=None,
                    help="torch device (default: the accelerator if there is one, else cpu)")
-    p.add_argument("--warmup", type=int, default=2, help="untimed calls per row (default 2)")
+    p.add_argument("--warmup", type=int, default=2,
+                   help="untimed rounds per row, each calling every index set once (default 2)")
     p.add_argument("--repeat", type=int, default=7, help="timed calls per row (default 7)")
     p.add_argument("--reference-repeat", type=int, default=None, metavar="N",
                    help="timed calls of the reference's own rows, without warm-up (default: "

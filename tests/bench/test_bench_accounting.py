@@ -74,6 +74,18 @@ def test_clock_runs_warmup_then_repeats_with_rotating_index() -> None:
         Clock(torch.device("cpu"), warmup=0, repeat=0)
 
 
+def test_clock_warms_every_input_set_before_the_first_timed_call() -> None:
+    seen: list[int] = []
+    timing = Clock(torch.device("cpu"), warmup=1, repeat=3).measure(seen.append, sets=3)
+    assert seen == [0, 1, 2, 3, 4, 5]  # sets 0, 1, 2 once untimed, then timed from set 0
+    assert len(timing.samples_ms) == 3
+    seen.clear()
+    Clock(torch.device("cpu"), warmup=0, repeat=2).measure(seen.append, sets=4)
+    assert seen == [0, 1]
+    with pytest.raises(InvalidArgument, match="sets"):
+        Clock(torch.device("cpu"), warmup=1, repeat=1).measure(seen.append, sets=0)
+
+
 def test_index_sets_are_disjoint_scattered_whole_pages() -> None:
     c = case(page=4, batch=3, total=9)
     sets = index_sets(c, torch.Generator().manual_seed(1), torch.device("cpu"))

@@ -141,7 +141,8 @@ def test_reference_rows_can_be_timed_with_fewer_repetitions() -> None:
                        repeat=4, reference_repeat=1).run()
     samples = {r.backend: len(r.timing.samples_ms) for r in result.rows}
     assert samples == {REFERENCE: 1, "other": 4}
-    assert instances["cpu"].runs == 1 + 2 + 4  # the other backend keeps check, warm-up, repeat
+    sets = cases()[0].index_sets  # the other backend keeps check, warm-up rounds, repeat
+    assert instances["cpu"].runs == 1 + 2 * sets + 4
     assert result.settings["reference_repeat"] == 1
     assert "reference: repeat 1, no warm-up" in report.text_table(result)
     validate(json.loads(report.to_json(result, "kvio bench")))
