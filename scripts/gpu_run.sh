@@ -14,7 +14,8 @@
 # probe: scripts/probe_layer_load.py once per kernel build setting in PROBE_TUNES
 # (';'-separated KVIO_CUDA_TUNE values, '' = the shipped defaults). probe_h2d: the standalone
 # copy-path probe (scripts/probe_h2d_paths.cu). issue: Python's cost per per-layer call.
-# dma: layer_first per-layer load, copy engine against the zero-copy kernel.
+# dma: layer_first per-layer load, copy engine against the zero-copy kernel, once per build
+# setting in DMA_TUNES (as PROBE_TUNES; e.g. ";DMA_BATCH=64;DMA_BATCH=32" splits the batches).
 # quick: the seed rows issue 4 missed, cuda only (QUICK_ARGS replaces the axes).
 # seed and quick warm up BENCH_WARMUP rounds (default 1), each calling every index set once,
 # so no timed call is the first on its pages (kvio bench --warmup counts rounds).
@@ -88,7 +89,12 @@ issue)
     step issue_cost 90 $PY scripts/probe_issue_cost.py
     ;;
 dma)
-    step probe_dma 150 $PY scripts/probe_dma_load.py
+    IFS=';' read -r -a tunes <<< "${DMA_TUNES:-}"
+    [ ${#tunes[@]} -gt 0 ] || tunes=("")
+    for tune in "${tunes[@]}"; do
+        tag=$(echo "${tune:-default}" | tr ',=' '_-')
+        KVIO_CUDA_TUNE=$tune step "probe_dma_$tag" 150 $PY scripts/probe_dma_load.py
+    done
     ;;
 quick)
     budget=$(( ${DEADLINE_S:-100000} - SECONDS - ${SEED_MARGIN_S:-60} ))

@@ -51,7 +51,7 @@ def main() -> None:
                 for plan in (direct, attrs.evolve(direct, variants=(dma, *direct.variants))):
                     call = Call(plan, (dpool, hpool), sets, case)
                     call.check_and_run(0)
-                    t = clock.measure(call)
+                    t = clock.measure(call, len(sets))
                     c = ceiling.measure("h2d", case.bytes_moved, again=True)
                     ratios.append(c.median_ms / t.median_ms)
                 mib = case.bytes_moved / layers / 2**20

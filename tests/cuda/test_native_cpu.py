@@ -92,10 +92,11 @@ def test_tuning_defines_from_the_environment(monkeypatch: pytest.MonkeyPatch) ->
     assert flags == ["-DKVIO_UNROLL=8", "-DKVIO_BLOCKS_PER_SM=2"]
     cmd = build.compile_command("nvcc", "k.cu", "o.so", 9, 0, defines=flags)
     assert cmd[cmd.index("-DKVIO_UNROLL=8") + 1] == "-DKVIO_BLOCKS_PER_SM=2"
+    assert build.tuning_defines("DMA_BATCH=64") == ["-DKVIO_DMA_BATCH=64"]
 
 
 @pytest.mark.parametrize("spec", ["UNROLL=0", "UNROLL=17", "BLOCKS_PER_SM=x", "THREADS=128",
-                                  "UNROLL"])
+                                  "UNROLL", "DMA_BATCH=-1", "DMA_BATCH=4097"])
 def test_tuning_defines_refuse_unknown_names_and_ranges(spec: str) -> None:
     with pytest.raises(BuildError, match=r"KVIO_CUDA_TUNE: expected .*UNROLL=\[1, 16\]") as err:
         build.tuning_defines(spec)

@@ -181,7 +181,7 @@ def toolkit_lib_dir(nvcc: Path | str) -> Path | None:
 
 
 #: the kernels' build-time tuning knobs and their ranges (see :func:`tuning_defines`)
-TUNABLES = {"UNROLL": (1, 16), "BLOCKS_PER_SM": (1, 8)}
+TUNABLES = {"UNROLL": (1, 16), "BLOCKS_PER_SM": (1, 8), "DMA_BATCH": (0, 4096)}
 
 
 def tuning_defines(spec: str | None = None) -> list[str]:

@@ -60,7 +60,14 @@ static_assert(sizeof(kvio_layout) == 64, "kvio_layout must be 8 int64 fields");
 #ifndef KVIO_BLOCKS_PER_SM
 #define KVIO_BLOCKS_PER_SM 4
 #endif
+// Copies per batched memcpy call, 0: all copies of a call in one. An experiment knob: on the
+// H200 one batch of 64 copies cost the CPU 33 us, one of 128 about 120 us
+// (docs/benchmarks/h200-2026-12-03/README.md).
+#ifndef KVIO_DMA_BATCH
+#define KVIO_DMA_BATCH 0
+#endif
 static_assert(KVIO_UNROLL >= 1 && KVIO_UNROLL <= 16, "KVIO_UNROLL must be in [1, 16]");
+static_assert(KVIO_DMA_BATCH >= 0, "KVIO_DMA_BATCH must be >= 0");
 static_assert(KVIO_BLOCKS_PER_SM >= 1 && KVIO_BLOCKS_PER_SM <= 8,
               "KVIO_BLOCKS_PER_SM must be in [1, 8]");
 
@@ -782,37 +789,43 @@ bool page_is_contiguous(const kvio_layout& L, int32_t num_layers, int64_t page_b
     return expected == page_bytes;
 }
 
-// Enqueues the 1D copies dsts[i] <- srcs[i] of sizes[i] bytes: one cudaMemcpyBatchAsync when
-// `batched` and the runtime has it (never on the legacy NULL stream, which it refuses), else
-// one cudaMemcpyAsync each. A driver that refuses the batched call turns it off for good.
+// Enqueues the 1D copies dsts[i] <- srcs[i] of sizes[i] bytes: cudaMemcpyBatchAsync calls of
+// up to KVIO_DMA_BATCH copies (all in one by default) when `batched` and the runtime has it
+// (never on the legacy NULL stream, which it refuses), else one cudaMemcpyAsync each. A driver
+// that refuses the batched call turns it off for good.
 cudaError_t copy_runs(const std::vector<void*>& dsts, const std::vector<const void*>& srcs,
                       const std::vector<size_t>& sizes, cudaMemcpyKind kind, bool batched,
                       cudaStream_t stream) {
+    size_t done = 0;  // copies enqueued so far
 #if KVIO_HAVE_BATCH
     BatchFn fn = batched && !is_legacy_stream(stream) ? batch_fn() : nullptr;
-    if (fn != nullptr && !sizes.empty()) {
+    const size_t per_batch = KVIO_DMA_BATCH > 0 ? size_t(KVIO_DMA_BATCH) : sizes.size();
+    while (fn != nullptr && done < sizes.size()) {
+        const size_t n = sizes.size() - done < per_batch ? sizes.size() - done : per_batch;
         cudaMemcpyAttributes attr = {};
         attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
         size_t attr_idx = 0;
-        void* const* d = const_cast<void* const*>(dsts.data());
+        void* const* d = const_cast<void* const*>(dsts.data()) + done;
 #if CUDART_VERSION >= 13000
         const cudaError_t err =
-            fn(d, srcs.data(), sizes.data(), sizes.size(), &attr, &attr_idx, 1, stream);
+            fn(d, srcs.data() + done, sizes.data() + done, n, &attr, &attr_idx, 1, stream);
 #else
         size_t fail_idx = 0;
-        const cudaError_t err = fn(d, srcs.data(), sizes.data(), sizes.size(), &attr,
+        const cudaError_t err = fn(d, srcs.data() + done, sizes.data() + done, n, &attr,
                                    &attr_idx, 1, &fail_idx, stream);
 #endif
-        if (!batch_refused(err)) {
-            return err;
+        if (batch_refused(err)) {  // the rest one by one
+            (void)cudaGetLastError();
+            disable_batch();
+            break;
         }
-        (void)cudaGetLastError();
-        disable_batch();
+        KVIO_CHECK(err);
+        done += n;
     }
 #else
     (void)batched;
 #endif
-    for (size_t i = 0; i < sizes.size(); ++i) {
+    for (size_t i = done; i < sizes.size(); ++i) {
         KVIO_CHECK(cudaMemcpyAsync(dsts[i], srcs[i], sizes[i], kind, stream));
     }
     return cudaSuccess;
