@@ -114,7 +114,11 @@ class NativeBackend:
         stream = self.stream_handle(job.stream)
         h, d = job.host_indices, job.device_indices
         host_base = job.host_buffer.data_ptr()
-        if job.support.variant == self.STAGED and job.op is not Op.LOAD_LAYER:
+        if job.support.variant == self.STAGED:
+            if job.op is Op.LOAD_LAYER:
+                raise InvalidArgument("job.support", "a per-layer load variant other than "
+                                      "staged (the native ABI stages whole pages only)",
+                                      job.support.variant)
             staging = self.staging(stream)
             staged = (self.lib.write_back_staged if job.op is Op.WRITE_BACK
                       else self.lib.load_all_staged)

@@ -93,6 +93,25 @@ def test_staged_load_of_all_layers_passes_the_write_back_arguments_to_its_own_fu
     assert load_args[5:7] == (host_idx.data_ptr(), dev_idx.data_ptr())
 
 
+def test_a_per_layer_job_marked_staged_is_refused_before_the_library_is_called() -> None:
+    import attrs
+    import pytest
+
+    from kvcore.backend import TransferJob
+    from kvcore.errors import InvalidArgument
+    from kvcore.native import native_ops
+
+    backend, lib, dev, host = _setup("page_first")
+    staged = next(s for s in native_ops(staged_load=True) if s.variant == "staged")
+    job = TransferJob(op=Op.LOAD_LAYER, support=attrs.evolve(staged, op=Op.LOAD_LAYER),
+                      device_pool=dev, host_buffer=host.buffer, host_geometry=host.geometry,
+                      host_strides=host.strides, host_indices=torch.arange(16),
+                      device_indices=torch.arange(16), layer=0)
+    with pytest.raises(InvalidArgument, match=r"job\.support"):
+        backend.run(job)
+    assert lib.calls == []
+
+
 def test_the_staged_load_is_opt_in_and_declared_before_the_direct_one() -> None:
     from kvcore.capabilities import Residency
     from kvcore.native import STAGED_MIN_PAGE_BYTES, native_ops
