@@ -259,6 +259,63 @@ def test_write_back_staged(emul, case, use_batched, dev64) -> None:
         assert (c["batch_calls"], c["memcpy"]) == (0, runs)
 
 
+@pytest.mark.parametrize("case", STAGED, ids=[case_id(c) for c in STAGED])
+@pytest.mark.parametrize("use_batched", [1, 0], ids=["batched", "per-run"])
+@pytest.mark.parametrize("dev64", [1, 0], ids=["dev-i64", "dev-i32"])
+def test_load_all_staged(emul, case, use_batched, dev64) -> None:
+    lib, raw = emul
+    assert lib.has_load_all_staged()
+    kind, layout, heads, dim, dtype = case
+    L, P, size, dev_tokens = 3, 4, 96, 120
+    g = Geometry(kind=kind, layout=layout, num_layers=L, size=size, head_num=heads,
+                 head_dim=dim, page_size=P)
+    gen = torch.Generator().manual_seed(12)
+    pool = make_pool(g, dtype, dev_tokens, gen, poison=True)
+    host = random_like(host_shape(g), dtype, gen)
+    pages = [3, 4, 5, 9, 1, 2, 20, 21, 22, 23, 7]  # runs, breaks and a reversed step
+    host_idx = page_indices(g, pages, torch.int64)
+    n = host_idx.numel()
+    dev_idx = torch.randperm(dev_tokens, generator=gen)[:n].to(
+        torch.int64 if dev64 else torch.int32)
+    page_bytes = L * P * heads * dim * dtype.itemsize
+    per_chunk = 4
+    staging = torch.full((per_chunk * page_bytes * g.kv_count + 5,), POISON, dtype=torch.uint8)
+    view = canonical_view(host, g)
+    untouched = torch.ones(dev_tokens, dtype=torch.bool)
+    untouched[dev_idx.long()] = False
+
+    raw.kvio_emul_reset()
+    lib.load_all_staged(pool.k_ptrs, pool.v_ptrs, L, host.data_ptr(),
+                        layout_of(g, dtype.itemsize), host_idx.data_ptr(), dev_idx.data_ptr(),
+                        dev64, n, staging.data_ptr(), staging.numel(), use_batched, 0)
+    for kv, layer in itertools.product(range(g.kv_count), range(L)):
+        got = pool.layers[kv][layer].view(torch.uint8)
+        want = view[kv, layer, host_idx // P, host_idx % P].contiguous().view(torch.uint8)
+        assert torch.equal(got[dev_idx.long()], want), (kv, layer)
+        assert bool((got[untouched] == POISON).all()), (kv, layer)  # untouched slots
+    c = counters(raw)
+    chunks = -(-len(pages) // per_chunk)
+    runs = expected_runs(pages, per_chunk, g.kv_count)
+    assert c["launches"] == chunks
+    assert c["bytes"] == len(pages) * page_bytes * g.kv_count
+    if use_batched:
+        assert (c["batch_calls"], c["batch_copies"], c["memcpy"]) == (chunks, runs, 0)
+    else:
+        assert (c["batch_calls"], c["memcpy"]) == (0, runs)
+
+
+def test_staged_load_refuses_what_the_staged_write_back_refuses(emul) -> None:
+    lib, _ = emul
+    g, pool, host, host_idx, dev_idx = _mha_page_first()
+    staging = torch.empty(1 << 12, dtype=torch.uint8)
+    for n, staging_bytes, idx in ((6, staging.numel(), host_idx), (8, 100, host_idx),
+                                  (8, staging.numel(), host_idx + 1)):
+        with pytest.raises(KernelError, match=r"^kvio_load_all_staged: invalid argument"):
+            lib.load_all_staged(pool.k_ptrs, pool.v_ptrs, 2, host.data_ptr(), layout_of(g, 2),
+                                idx.data_ptr(), dev_idx.data_ptr(), 1, n, staging.data_ptr(),
+                                staging_bytes, 1, 0)
+
+
 def _mha_page_first() -> tuple[Geometry, Pool, torch.Tensor, torch.Tensor, torch.Tensor]:
     g = Geometry(kind=Kind.MHA, layout=Layout.PAGE_FIRST, num_layers=2, size=16, head_num=1,
                  head_dim=8, page_size=4)

@@ -88,11 +88,11 @@ def _exercise(ctl: HiCacheController) -> None:
 
 
 def _expected_host(op: Op, variant: str) -> str:
-    return "cpu" if (op is Op.WRITE_BACK and variant == "staged") else DEVICE.type
+    return "cpu" if variant == "staged" else DEVICE.type
 
 
 @pytest.mark.parametrize("kind, head_dim", [("mha", 128), ("mla", 576)])
-def test_staged_write_back_gets_cpu_host_indices_and_all_else_device(
+def test_staged_transfers_get_cpu_host_indices_and_all_else_device(
         rocm_machine: tuple[Registry, RecordingRocm], kind: str, head_dim: int) -> None:
     registry, recorder = rocm_machine
     ctl = HiCacheController(*_pools(kind, "page_first", head_dim), registry=registry)
@@ -100,6 +100,7 @@ def test_staged_write_back_gets_cpu_host_indices_and_all_else_device(
     _exercise(ctl)
     ops = [(c["op"], c["variant"]) for c in recorder.calls]
     assert ops[0] == (Op.WRITE_BACK, "staged")  # 64 tokens x 4 layers x >=512 B >= 64 KiB
+    assert (Op.LOAD_ALL, "staged") in ops
     assert {o for o, _ in ops} == set(Op)
     for call in recorder.calls:
         assert call["device"] == DEVICE.type, call

@@ -47,6 +47,13 @@ KVIO_API int kvio_write_back_staged(const uint64_t* k_ptrs, const uint64_t* v_pt
                                     int dev_idx_64, int64_t n_tokens, void* staging,
                                     int64_t staging_bytes, int use_batched, void* stream);
 
+/* optional in the ABI: kvio_write_back_staged's arguments, host pages -> device pool */
+KVIO_API int kvio_load_all_staged(const uint64_t* k_ptrs, const uint64_t* v_ptrs,
+                                  int32_t num_layers, void* host_base, kvio_layout layout,
+                                  const int64_t* host_idx_cpu, const void* dev_idx,
+                                  int dev_idx_64, int64_t n_tokens, void* staging,
+                                  int64_t staging_bytes, int use_batched, void* stream);
+
 KVIO_API int kvio_has_batched_memcpy(void);
 
 #ifdef __cplusplus

@@ -214,14 +214,16 @@ kvio_copy_params base_params(const uint64_t* k_ptrs, const uint64_t* v_ptrs, voi
     return p;
 }
 
-// One host copy of the staged write-back: staging (device) -> host_base.
+// One host copy of a staged transfer: staging (device) -> host_base for a write-back, the
+// other way for a load.
 struct copy_run {
     char* dst;
     char* src;
     size_t bytes;
 };
 
-hipError_t issue_runs(std::vector<copy_run>& runs, kvio_batch_fn batch, hipStream_t stream) {
+hipError_t issue_runs(std::vector<copy_run>& runs, kvio_batch_fn batch, hipMemcpyKind kind,
+                      hipStream_t stream) {
     size_t start = 0;
     if (batch && !runs.empty()) {
         std::vector<void*> dsts(runs.size()), srcs(runs.size());
@@ -241,8 +243,90 @@ hipError_t issue_runs(std::vector<copy_run>& runs, kvio_batch_fn batch, hipStrea
         start = fail < runs.size() ? fail : 0;
     }
     for (size_t i = start; i < runs.size(); ++i) {
-        const hipError_t e = hipMemcpyAsync(runs[i].dst, runs[i].src, runs[i].bytes,
-                                            hipMemcpyDeviceToHost, stream);
+        const hipError_t e = hipMemcpyAsync(runs[i].dst, runs[i].src, runs[i].bytes, kind,
+                                            stream);
+        if (e != hipSuccess) return e;
+    }
+    return hipSuccess;
+}
+
+// The staged transfer of all layers of whole pages, chunk by chunk on the caller's stream.
+// Write-back (direction 0): gather the chunk's pages into staging as the host page image, then
+// copy each run of consecutive host pages out. Load (direction 1): copy the runs into staging,
+// then scatter them into the pool. Stream order makes reusing the one buffer safe: the next
+// chunk's first step is queued after this chunk's last.
+hipError_t transfer_staged(int direction, const uint64_t* k_ptrs, const uint64_t* v_ptrs,
+                           int32_t num_layers, void* host_base, const kvio_layout& layout,
+                           const int64_t* host_idx_cpu, const void* dev_idx, int dev_idx_64,
+                           int64_t n_tokens, void* staging, int64_t staging_bytes,
+                           int use_batched, void* stream) {
+    if ((direction != 0 && direction != 1) || n_tokens < 0 || num_layers < 0 ||
+        !layout_ok(layout))
+        return hipErrorInvalidValue;
+    const int64_t P = layout.page_size;
+    if (n_tokens % P != 0) return hipErrorInvalidValue;
+    if (n_tokens == 0 || num_layers == 0) return hipSuccess;
+    if (!k_ptrs || !host_base || !host_idx_cpu || !dev_idx || !staging || staging_bytes <= 0)
+        return hipErrorInvalidValue;
+    const uint32_t n_kv = v_ptrs ? 2u : 1u;
+    const int64_t elem = layout.chunk_bytes * layout.num_chunks;
+    const int64_t page_bytes = (int64_t)num_layers * P * elem;
+    // One page of K (or V) must be one contiguous run of page_bytes (page_first,
+    // page_first_direct): its chunks tile [0, page_bytes) exactly.
+    const int64_t span = layout.layer_stride * (num_layers - 1) + layout.token_stride * (P - 1) +
+                         layout.chunk_stride * (layout.num_chunks - 1) + layout.chunk_bytes;
+    if (span != page_bytes || layout.layer_stride < 0 || layout.token_stride < 0 ||
+        layout.chunk_stride < 0)
+        return hipErrorInvalidValue;
+    const int64_t pages_per_chunk = staging_bytes / (page_bytes * (int64_t)n_kv);
+    if (pages_per_chunk < 1) return hipErrorInvalidValue;
+    const int64_t n_pages = n_tokens / P;
+    for (int64_t i = 0; i < n_pages; ++i)
+        if (host_idx_cpu[i * P] < 0 || host_idx_cpu[i * P] % P != 0) return hipErrorInvalidValue;
+
+    const bool to_host = direction == 0;
+    const hipMemcpyKind kind = to_host ? hipMemcpyDeviceToHost : hipMemcpyHostToDevice;
+    const kvio_batch_fn batch = use_batched ? resolve_batch() : nullptr;
+    const hipStream_t s = static_cast<hipStream_t>(stream);
+    const size_t dsz = dev_idx_64 ? 8 : 4;
+    char* const host = static_cast<char*>(host_base);
+    char* const stage = static_cast<char*>(staging);
+    std::vector<copy_run> runs;
+
+    for (int64_t p0 = 0; p0 < n_pages; p0 += pages_per_chunk) {
+        const int64_t np = std::min(pages_per_chunk, n_pages - p0);
+        // The device side: staging as the host page image, [kv][page j][page_bytes], every
+        // offset inside a page exactly as on the host. Same generic kernel, host side =
+        // staging with identity host indices (token t of the chunk -> slot t).
+        kvio_layout sl = layout;
+        sl.page_stride = page_bytes;
+        sl.kv_stride = np * page_bytes;
+        const kvio_copy_params p = base_params(k_ptrs, v_ptrs, staging, sl, 0, direction);
+        const void* dev_chunk = static_cast<const char*>(dev_idx) + (size_t)(p0 * P) * dsz;
+        auto relayout = [&]() {
+            return launch_copy(p, nullptr, 1, dev_chunk, dev_idx_64, pick_vec(sl, staging),
+                               pick_order(sl, num_layers), n_kv, (uint32_t)num_layers,
+                               (uint32_t)layout.num_chunks, np * P, s);
+        };
+        // The host side: one copy per run of consecutive host pages (per K/V).
+        runs.clear();
+        for (uint32_t kv = 0; kv < n_kv; ++kv) {
+            for (int64_t j = 0; j < np; ++j) {
+                const int64_t hp = host_idx_cpu[(p0 + j) * P] / P;
+                char* h = host + kv * layout.kv_stride + hp * layout.page_stride;
+                char* st = stage + kv * sl.kv_stride + j * page_bytes;
+                char* dst = to_host ? h : st;
+                char* src = to_host ? st : h;
+                if (!runs.empty() && runs.back().dst + runs.back().bytes == dst &&
+                    runs.back().src + runs.back().bytes == src)
+                    runs.back().bytes += (size_t)page_bytes;
+                else
+                    runs.push_back(copy_run{dst, src, (size_t)page_bytes});
+            }
+        }
+        hipError_t e = to_host ? relayout() : issue_runs(runs, batch, kind, s);
+        if (e != hipSuccess) return e;
+        e = to_host ? issue_runs(runs, batch, kind, s) : relayout();
         if (e != hipSuccess) return e;
     }
     return hipSuccess;
@@ -284,69 +368,19 @@ KVIO_API int kvio_write_back_staged(const uint64_t* k_ptrs, const uint64_t* v_pt
                                     const int64_t* host_idx_cpu, const void* dev_idx,
                                     int dev_idx_64, int64_t n_tokens, void* staging,
                                     int64_t staging_bytes, int use_batched, void* stream) {
-    if (n_tokens < 0 || num_layers < 0 || !layout_ok(layout)) return hipErrorInvalidValue;
-    const int64_t P = layout.page_size;
-    if (n_tokens % P != 0) return hipErrorInvalidValue;
-    if (n_tokens == 0 || num_layers == 0) return hipSuccess;
-    if (!k_ptrs || !host_base || !host_idx_cpu || !dev_idx || !staging || staging_bytes <= 0)
-        return hipErrorInvalidValue;
-    const uint32_t n_kv = v_ptrs ? 2u : 1u;
-    const int64_t elem = layout.chunk_bytes * layout.num_chunks;
-    const int64_t page_bytes = (int64_t)num_layers * P * elem;
-    // One page of K (or V) must be one contiguous run of page_bytes (page_first,
-    // page_first_direct): its chunks tile [0, page_bytes) exactly.
-    const int64_t span = layout.layer_stride * (num_layers - 1) + layout.token_stride * (P - 1) +
-                         layout.chunk_stride * (layout.num_chunks - 1) + layout.chunk_bytes;
-    if (span != page_bytes || layout.layer_stride < 0 || layout.token_stride < 0 ||
-        layout.chunk_stride < 0)
-        return hipErrorInvalidValue;
-    const int64_t pages_per_chunk = staging_bytes / (page_bytes * (int64_t)n_kv);
-    if (pages_per_chunk < 1) return hipErrorInvalidValue;
-    const int64_t n_pages = n_tokens / P;
-    for (int64_t i = 0; i < n_pages; ++i)
-        if (host_idx_cpu[i * P] < 0 || host_idx_cpu[i * P] % P != 0) return hipErrorInvalidValue;
+    return transfer_staged(0, k_ptrs, v_ptrs, num_layers, host_base, layout, host_idx_cpu,
+                           dev_idx, dev_idx_64, n_tokens, staging, staging_bytes, use_batched,
+                           stream);
+}
 
-    const kvio_batch_fn batch = use_batched ? resolve_batch() : nullptr;
-    const hipStream_t s = static_cast<hipStream_t>(stream);
-    const size_t dsz = dev_idx_64 ? 8 : 4;
-    char* const host = static_cast<char*>(host_base);
-    char* const stage = static_cast<char*>(staging);
-    std::vector<copy_run> runs;
-
-    for (int64_t p0 = 0; p0 < n_pages; p0 += pages_per_chunk) {
-        const int64_t np = std::min(pages_per_chunk, n_pages - p0);
-        // 1. Gather these pages into staging as the host page image: [kv][page j][page_bytes],
-        //    every offset inside a page exactly as on the host. Same generic kernel, host
-        //    side = staging with identity host indices (token t of the chunk -> slot t).
-        kvio_layout sl = layout;
-        sl.page_stride = page_bytes;
-        sl.kv_stride = np * page_bytes;
-        const kvio_copy_params p = base_params(k_ptrs, v_ptrs, staging, sl, 0, 0);
-        const void* dev_chunk = static_cast<const char*>(dev_idx) + (size_t)(p0 * P) * dsz;
-        hipError_t e = launch_copy(p, nullptr, 1, dev_chunk, dev_idx_64, pick_vec(sl, staging),
-                                   pick_order(sl, num_layers), n_kv, (uint32_t)num_layers,
-                                   (uint32_t)layout.num_chunks, np * P, s);
-        if (e != hipSuccess) return e;
-        // 2. Staging -> host, one copy per run of consecutive host pages (per K/V).
-        runs.clear();
-        for (uint32_t kv = 0; kv < n_kv; ++kv) {
-            for (int64_t j = 0; j < np; ++j) {
-                const int64_t hp = host_idx_cpu[(p0 + j) * P] / P;
-                char* dst = host + kv * layout.kv_stride + hp * layout.page_stride;
-                char* src = stage + kv * sl.kv_stride + j * page_bytes;
-                if (!runs.empty() && runs.back().dst + runs.back().bytes == dst &&
-                    runs.back().src + runs.back().bytes == src)
-                    runs.back().bytes += (size_t)page_bytes;
-                else
-                    runs.push_back(copy_run{dst, src, (size_t)page_bytes});
-            }
-        }
-        // The next chunk's gather overwrites staging: it is queued after these copies on the
-        // same stream, so it starts only when they are done.
-        e = issue_runs(runs, batch, s);
-        if (e != hipSuccess) return e;
-    }
-    return hipSuccess;
+KVIO_API int kvio_load_all_staged(const uint64_t* k_ptrs, const uint64_t* v_ptrs,
+                                  int32_t num_layers, void* host_base, kvio_layout layout,
+                                  const int64_t* host_idx_cpu, const void* dev_idx,
+                                  int dev_idx_64, int64_t n_tokens, void* staging,
+                                  int64_t staging_bytes, int use_batched, void* stream) {
+    return transfer_staged(1, k_ptrs, v_ptrs, num_layers, host_base, layout, host_idx_cpu,
+                           dev_idx, dev_idx_64, n_tokens, staging, staging_bytes, use_batched,
+                           stream);
 }
 
 } // extern "C"
