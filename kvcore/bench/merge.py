@@ -41,11 +41,16 @@ def load(path: str) -> tuple[BenchResult, str]:
                               f"{path}: missing or malformed {exc}") from exc
 
 
+#: the settings that say how a row was timed; merged runs must agree on every one
+TIMING_SETTINGS = ("timer", "stream", "warmup", "warmup_per", "repeat", "reference_repeat")
+
+
 def merge(results: Sequence[BenchResult]) -> BenchResult:
     """One result holding every run's rows, in run order.
 
-    The runs must come from the same GPU and driver (their ratios are then comparable);
-    a case measured twice for the same backend keeps the later run's row.
+    The runs must come from the same GPU and driver and be timed the same way (their ratios
+    are then comparable, and the report's one header line is true of every row); a case
+    measured twice for the same backend keeps the later run's row.
     """
     if not results:
         raise InvalidArgument("--merge", "at least one JSON file", "none")
@@ -56,6 +61,11 @@ def merge(results: Sequence[BenchResult]) -> BenchResult:
                 raise InvalidArgument(
                     "--merge", f"runs on one machine (same {fact})",
                     f"{first.machine.get(fact)!r} and {other.machine.get(fact)!r}")
+        for fact in TIMING_SETTINGS:
+            if other.settings.get(fact) != first.settings.get(fact):
+                raise InvalidArgument(
+                    "--merge", f"runs timed the same way (same {fact})",
+                    f"{first.settings.get(fact)!r} and {other.settings.get(fact)!r}")
     by_key: dict[tuple[object, ...], Row] = {}
     for result in results:
         for row in result.rows:

@@ -144,6 +144,14 @@ def test_merge_refuses_runs_of_different_machines_and_foreign_files(tmp_path: Pa
     other.machine = {**other.machine, "gpu": "Some Other GPU"}
     with pytest.raises(InvalidArgument, match="same gpu"):
         merge([first, other])
+    other = load(str(a))[0]
+    other.settings = {**other.settings, "warmup": 3}
+    with pytest.raises(InvalidArgument, match=r"timed the same way \(same warmup\)"):
+        merge([first, other])
+    older = load(str(a))[0]  # a run from before warm-up counted rounds over the index sets
+    del older.settings["warmup_per"]
+    with pytest.raises(InvalidArgument, match="same warmup_per"):
+        merge([first, older])
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"schema": "something/else"}))
     with pytest.raises(InvalidArgument, match=r"kvcore\.bench/1"):
