@@ -93,8 +93,20 @@ def _table(facts: list[dict[str, Any]]) -> str:
             lines.append(
                 f"               host idx {op['host_index']['residency']}, device idx "
                 f"{op['device_index']['residency']}, align {op['element_alignment']} B"
-                + (f", staging {op['staging_bytes'] >> 20} MiB" if op["staged"] else ""))
+                + (f", staging {op['staging_bytes'] >> 20} MiB" if op["staged"] else "")
+                + _window(*op["page_window"]))
     return "\n".join(lines)
+
+
+def _window(low: int, high: int | None) -> str:
+    """``, pages >= 64 KiB`` and the like: which page sizes a variant serves ('' for all)."""
+    def size(n: int) -> str:
+        return f"{n >> 20} MiB" if n % (1 << 20) == 0 else (
+            f"{n >> 10} KiB" if n % (1 << 10) == 0 else f"{n} B")
+
+    if high is None:
+        return f", pages >= {size(low)}" if low else ""
+    return f", pages {size(low)} to < {size(high)}" if low else f", pages < {size(high)}"
 
 
 def run(args: argparse.Namespace) -> int:

@@ -46,6 +46,23 @@ def test_table_lists_reference_available_and_gpu_backends_with_a_reason(
         assert why.startswith("why: ") and len(why) > len("why: ") + 10
 
 
+def test_table_shows_each_variants_page_window(capsys: pytest.CaptureFixture[str]) -> None:
+    from kvcore.cli.backends import _window
+
+    _, out, _ = _kvio(capsys)
+    lines = out.splitlines()
+    cuda = lines.index(next(line for line in lines if line.startswith("cuda ")))
+    staged_load = next(i for i in range(cuda, len(lines))
+                       if lines[i].split()[:2] == ["load_all", "staged"])
+    assert lines[staged_load + 1].endswith("staging 64 MiB, pages >= 64 KiB")
+    direct = next(i for i in range(cuda, len(lines))
+                  if lines[i].split()[:2] == ["load_all", "direct"])
+    assert "pages" not in lines[direct + 1]  # serves every page size
+    assert _window(0, 1 << 20) == ", pages < 1 MiB"
+    assert _window(4096, 3 << 20) == ", pages 4 KiB to < 3 MiB"
+    assert _window(100, None) == ", pages >= 100 B"
+
+
 def test_json_parses_and_says_why(capsys: pytest.CaptureFixture[str]) -> None:
     facts = _facts(capsys)
     ref = facts["reference"]
