@@ -216,47 +216,75 @@ def expected_runs(pages: list[int], per_chunk: int, kv_count: int) -> int:
     return total
 
 
+STAGED_PAGES = [3, 4, 5, 9, 1, 2, 20, 21, 22, 23, 7]  # runs, breaks and a reversed step
+STAGED_PER_CHUNK = 4  # pages (per K/V) the staging buffer holds
+
+
+@dataclass
+class StagedRig:
+    """One staged transfer's inputs: 3 layers of 4-token pages, a 120-slot pool."""
+
+    g: Geometry
+    dtype: torch.dtype
+    pool: Pool
+    host_idx: torch.Tensor
+    dev_idx: torch.Tensor
+    page_bytes: int
+    staging: torch.Tensor
+
+    def args(self, host: torch.Tensor, dev64: int, use_batched: int) -> tuple:
+        """The arguments of kvio_write_back_staged / kvio_load_all_staged."""
+        return (self.pool.k_ptrs, self.pool.v_ptrs, self.g.num_layers, host.data_ptr(),
+                layout_of(self.g, self.dtype.itemsize), self.host_idx.data_ptr(),
+                self.dev_idx.data_ptr(), dev64, self.host_idx.numel(), self.staging.data_ptr(),
+                self.staging.numel(), use_batched, 0)
+
+    def check_counters(self, raw: ctypes.CDLL, use_batched: int) -> None:
+        """One kernel per chunk, every page's bytes copied once, one copy per run."""
+        c = counters(raw)
+        chunks = -(-len(STAGED_PAGES) // STAGED_PER_CHUNK)
+        runs = expected_runs(STAGED_PAGES, STAGED_PER_CHUNK, self.g.kv_count)
+        assert c["launches"] == chunks
+        assert c["bytes"] == len(STAGED_PAGES) * self.page_bytes * self.g.kv_count
+        if use_batched:
+            assert (c["batch_calls"], c["batch_copies"], c["memcpy"]) == (chunks, runs, 0)
+        else:
+            assert (c["batch_calls"], c["memcpy"]) == (0, runs)
+
+
+def staged_rig(case: tuple, dev64: int, gen: torch.Generator, poison_pool: bool) -> StagedRig:
+    kind, layout, heads, dim, dtype = case
+    g = Geometry(kind=kind, layout=layout, num_layers=3, size=96, head_num=heads,
+                 head_dim=dim, page_size=4)
+    pool = make_pool(g, dtype, 120, gen, poison=poison_pool)
+    host_idx = page_indices(g, STAGED_PAGES, torch.int64)
+    dev_idx = torch.randperm(120, generator=gen)[:host_idx.numel()].to(
+        torch.int64 if dev64 else torch.int32)
+    page_bytes = g.num_layers * g.page_size * heads * dim * dtype.itemsize
+    staging = torch.full((STAGED_PER_CHUNK * page_bytes * g.kv_count + 5,), POISON,
+                         dtype=torch.uint8)
+    return StagedRig(g, dtype, pool, host_idx, dev_idx, page_bytes, staging)
+
+
 @pytest.mark.parametrize("case", STAGED, ids=[case_id(c) for c in STAGED])
 @pytest.mark.parametrize("use_batched", [1, 0], ids=["batched", "per-run"])
 @pytest.mark.parametrize("dev64", [1, 0], ids=["dev-i64", "dev-i32"])
 def test_write_back_staged(emul, case, use_batched, dev64) -> None:
     lib, raw = emul
-    kind, layout, heads, dim, dtype = case
-    L, P, size, dev_tokens = 3, 4, 96, 120
-    g = Geometry(kind=kind, layout=layout, num_layers=L, size=size, head_num=heads,
-                 head_dim=dim, page_size=P)
-    gen = torch.Generator().manual_seed(11)
-    pool = make_pool(g, dtype, dev_tokens, gen)
-    pages = [3, 4, 5, 9, 1, 2, 20, 21, 22, 23, 7]  # runs, breaks and a reversed step
-    host_idx = page_indices(g, pages, torch.int64)
-    n = host_idx.numel()
-    dev_idx = torch.randperm(dev_tokens, generator=gen)[:n].to(
-        torch.int64 if dev64 else torch.int32)
-    page_bytes = L * P * heads * dim * dtype.itemsize
-    per_chunk = 4
-    staging = torch.full((per_chunk * page_bytes * g.kv_count + 5,), POISON, dtype=torch.uint8)
-    host = torch.full(host_shape(g), 0, dtype=dtype)
+    rig = staged_rig(case, dev64, torch.Generator().manual_seed(11), poison_pool=False)
+    g, P, h, d = rig.g, rig.g.page_size, rig.host_idx, rig.dev_idx.long()
+    host = torch.full(host_shape(g), 0, dtype=rig.dtype)
     host.view(torch.uint8).fill_(POISON)
     expected = host.clone()
     view = canonical_view(expected, g)
-    for kv, layer in itertools.product(range(g.kv_count), range(L)):
-        view[kv, layer, host_idx // P, host_idx % P] = pool.layers[kv][layer][dev_idx.long()]
+    for kv, layer in itertools.product(range(g.kv_count), range(g.num_layers)):
+        view[kv, layer, h // P, h % P] = rig.pool.layers[kv][layer][d]
 
     raw.kvio_emul_reset()
-    lib.write_back_staged(pool.k_ptrs, pool.v_ptrs, L, host.data_ptr(),
-                          layout_of(g, dtype.itemsize), host_idx.data_ptr(), dev_idx.data_ptr(),
-                          dev64, n, staging.data_ptr(), staging.numel(), use_batched, 0)
+    lib.write_back_staged(*rig.args(host, dev64, use_batched))
     assert torch.equal(host.view(torch.uint8), expected.view(torch.uint8))
-    c = counters(raw)
-    chunks = -(-len(pages) // per_chunk)
-    runs = expected_runs(pages, per_chunk, g.kv_count)
-    assert c["launches"] == chunks
-    assert c["bytes"] == len(pages) * page_bytes * g.kv_count
-    if use_batched:
-        assert lib.has_batched_memcpy()
-        assert (c["batch_calls"], c["batch_copies"], c["memcpy"]) == (chunks, runs, 0)
-    else:
-        assert (c["batch_calls"], c["memcpy"]) == (0, runs)
+    assert lib.has_batched_memcpy()
+    rig.check_counters(raw, use_batched)
 
 
 @pytest.mark.parametrize("case", STAGED, ids=[case_id(c) for c in STAGED])
@@ -265,43 +293,22 @@ def test_write_back_staged(emul, case, use_batched, dev64) -> None:
 def test_load_all_staged(emul, case, use_batched, dev64) -> None:
     lib, raw = emul
     assert lib.has_load_all_staged()
-    kind, layout, heads, dim, dtype = case
-    L, P, size, dev_tokens = 3, 4, 96, 120
-    g = Geometry(kind=kind, layout=layout, num_layers=L, size=size, head_num=heads,
-                 head_dim=dim, page_size=P)
     gen = torch.Generator().manual_seed(12)
-    pool = make_pool(g, dtype, dev_tokens, gen, poison=True)
-    host = random_like(host_shape(g), dtype, gen)
-    pages = [3, 4, 5, 9, 1, 2, 20, 21, 22, 23, 7]  # runs, breaks and a reversed step
-    host_idx = page_indices(g, pages, torch.int64)
-    n = host_idx.numel()
-    dev_idx = torch.randperm(dev_tokens, generator=gen)[:n].to(
-        torch.int64 if dev64 else torch.int32)
-    page_bytes = L * P * heads * dim * dtype.itemsize
-    per_chunk = 4
-    staging = torch.full((per_chunk * page_bytes * g.kv_count + 5,), POISON, dtype=torch.uint8)
+    rig = staged_rig(case, dev64, gen, poison_pool=True)
+    g, P, h, d = rig.g, rig.g.page_size, rig.host_idx, rig.dev_idx.long()
+    host = random_like(host_shape(g), rig.dtype, gen)
     view = canonical_view(host, g)
-    untouched = torch.ones(dev_tokens, dtype=torch.bool)
-    untouched[dev_idx.long()] = False
+    untouched = torch.ones(rig.pool.layers[0][0].shape[0], dtype=torch.bool)
+    untouched[d] = False
 
     raw.kvio_emul_reset()
-    lib.load_all_staged(pool.k_ptrs, pool.v_ptrs, L, host.data_ptr(),
-                        layout_of(g, dtype.itemsize), host_idx.data_ptr(), dev_idx.data_ptr(),
-                        dev64, n, staging.data_ptr(), staging.numel(), use_batched, 0)
-    for kv, layer in itertools.product(range(g.kv_count), range(L)):
-        got = pool.layers[kv][layer].view(torch.uint8)
-        want = view[kv, layer, host_idx // P, host_idx % P].contiguous().view(torch.uint8)
-        assert torch.equal(got[dev_idx.long()], want), (kv, layer)
+    lib.load_all_staged(*rig.args(host, dev64, use_batched))
+    for kv, layer in itertools.product(range(g.kv_count), range(g.num_layers)):
+        got = rig.pool.layers[kv][layer].view(torch.uint8)
+        want = view[kv, layer, h // P, h % P].contiguous().view(torch.uint8)
+        assert torch.equal(got[d], want), (kv, layer)
         assert bool((got[untouched] == POISON).all()), (kv, layer)  # untouched slots
-    c = counters(raw)
-    chunks = -(-len(pages) // per_chunk)
-    runs = expected_runs(pages, per_chunk, g.kv_count)
-    assert c["launches"] == chunks
-    assert c["bytes"] == len(pages) * page_bytes * g.kv_count
-    if use_batched:
-        assert (c["batch_calls"], c["batch_copies"], c["memcpy"]) == (chunks, runs, 0)
-    else:
-        assert (c["batch_calls"], c["memcpy"]) == (0, runs)
+    rig.check_counters(raw, use_batched)
 
 
 def test_staged_load_refuses_what_the_staged_write_back_refuses(emul) -> None:
