@@ -327,10 +327,8 @@ class HiCacheController:
         events: list[Any] = []
         completions: list[list[Any]] = []
         with on_stream(stream):
-            placed = []
-            for i, m in enumerate(self.members):
-                plan, g = self.plans[(i, op)], m.host.geometry
-                placed.append(plan.place(h, d, plan.page_bytes(g.page_size, g.num_layers)))
+            placed = [self.plans[(i, op)].place_for(m.host, h, d)
+                      for i, m in enumerate(self.members)]
             for n, layer in enumerate(layers):
                 done = []
                 for i, m in enumerate(self.members):

@@ -106,10 +106,15 @@ class TransferPlan:
         """
         if check:
             check_indices(self, device_pool, host_pool, host_indices, device_indices, layer)
-        g = host_pool.geometry
-        placed = self.place(host_indices, device_indices, self.page_bytes(g.page_size,
-                                                                          g.num_layers))
+        placed = self.place_for(host_pool, host_indices, device_indices)
         return self.run(placed, device_pool, host_pool, layer=layer, stream=stream)
+
+    def place_for(self, host_pool: HostPool, host_indices: torch.Tensor,
+                  device_indices: torch.Tensor) -> PlacedIndices:
+        """:meth:`place` with the variant that serves ``host_pool``'s pages."""
+        g = host_pool.geometry
+        return self.place(host_indices, device_indices, self.page_bytes(g.page_size,
+                                                                        g.num_layers))
 
     def run(self, placed: PlacedIndices, device_pool: DevicePool, host_pool: HostPool,
             layer: int | None = None, stream: Any = None, chained: bool = False) -> Any:

@@ -328,11 +328,10 @@ class Call:
 
     def check_and_run(self, i: int) -> str:
         """Validate and place every index set, run set ``i``; returns the variant used."""
-        page_bytes = self.plan.page_bytes(self.case.page_size, self.case.num_layers)
         layer = 0 if self.case.op is Op.LOAD_LAYER else None
         for h, d in self.raw_sets:
             check_indices(self.plan, self.device_pool, self.host_pool, h, d, layer)
-            self.placed.append(self.plan.place(h, d, page_bytes))
+            self.placed.append(self.plan.place_for(self.host_pool, h, d))
         self(i)
         return self.placed[0].support.variant
 

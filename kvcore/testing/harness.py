@@ -307,9 +307,7 @@ def transfer(env: Env, case: Case, rig: Rig, op: Op, backend: str, h: torch.Tens
     pools = rig.device_pool, rig.host_pool
     for layer in range(case.num_layers) if op is Op.LOAD_LAYER else [None]:
         check_indices(plan, *pools, h, d, layer)
-    g = rig.host_pool.geometry
-    placed = plan.place(h, d, plan.page_bytes(g.page_size, g.num_layers))
-    done = plan.run_layers(placed, *pools)
+    done = plan.run_layers(plan.place_for(rig.host_pool, h, d), *pools)
     synchronize(env.device)
     for completion in done:
         completion.check()
