@@ -655,37 +655,26 @@ def test_real_library_refuses_bad_arguments_before_any_cuda_call(
     # nothing to do is a success without touching the device
     assert raw.kvio_transfer_direct(0, 1, 0, 0, 1, 1, layout, 1, 0, 1, 0, 0, None) == 0
     assert raw.kvio_transfer_direct(1, 1, 0, 0, 0, 1, layout, 1, 0, 1, 0, 64, None) == 0
-    # staged: n_tokens not whole pages, a layout whose page is not one contiguous run
-    # (layer_stride 1024 with 32 layers needs token_stride 32 KiB: pass 16 layers instead)
-    assert raw.kvio_write_back_staged(1, 0, 32, 1, layout, 1, 1, 0, 63, 1, 1 << 30, 1,
-                                      None) == 1
-    assert raw.kvio_write_back_staged(1, 0, 16, 1, layout, 1, 1, 0, 64, 1, 1 << 30, 1,
-                                      None) == 1
-    assert raw.kvio_write_back_staged(1, 0, 32, 1, layout, 1, 1, 0, 0, 1, 1 << 30, 1,
-                                      None) == 0
     with pytest.raises(KernelError,
                        match=r"kvio_transfer_direct: invalid argument \(cuda error 1\)"):
         real_library.transfer_direct(0, 0, 0, 0, 1, 1, layout, 1, 0, 1, 0, 64, 0)
 
 
-def test_real_library_staged_load_refuses_bad_arguments_before_any_cuda_call(
-        real_library: _native.NativeLibrary) -> None:
+@pytest.mark.parametrize("function", ["kvio_write_back_staged", "kvio_load_all_staged"])
+def test_real_library_staged_transfers_refuse_bad_arguments_before_any_cuda_call(
+        real_library: _native.NativeLibrary, function: str) -> None:
     assert real_library.has_load_all_staged()
-    raw = real_library._lib
+    staged = getattr(real_library._lib, function)
     layout = _native.KvioLayout.from_fields(LAYOUT)
-    # the staged write-back's checks: not whole pages, pages not contiguous, NULL staging,
-    # a staging buffer smaller than one page; nothing to do is a success
-    assert raw.kvio_load_all_staged(1, 0, 32, 1, layout, 1, 1, 0, 63, 1, 1 << 30, 1,
-                                    None) == 1
-    assert raw.kvio_load_all_staged(1, 0, 16, 1, layout, 1, 1, 0, 64, 1, 1 << 30, 1,
-                                    None) == 1
-    assert raw.kvio_load_all_staged(1, 0, 32, 1, layout, 1, 1, 0, 64, None, 1 << 30, 1,
-                                    None) == 1
+    # n_tokens not whole pages; a layout whose page is not one contiguous run (layer_stride
+    # 1024 with 32 layers needs token_stride 32 KiB: pass 16 layers instead); NULL staging;
+    # a staging buffer smaller than one page. Nothing to do is a success.
+    assert staged(1, 0, 32, 1, layout, 1, 1, 0, 63, 1, 1 << 30, 1, None) == 1
+    assert staged(1, 0, 16, 1, layout, 1, 1, 0, 64, 1, 1 << 30, 1, None) == 1
+    assert staged(1, 0, 32, 1, layout, 1, 1, 0, 64, None, 1 << 30, 1, None) == 1
     host_idx = (ctypes.c_int64 * 64)(*range(64))
-    assert raw.kvio_load_all_staged(1, 0, 32, 1, layout, host_idx, 1, 0, 64, 1, 1024, 1,
-                                    None) == 1
-    assert raw.kvio_load_all_staged(1, 0, 32, 1, layout, 1, 1, 0, 0, 1, 1 << 30, 1,
-                                    None) == 0
+    assert staged(1, 0, 32, 1, layout, host_idx, 1, 0, 64, 1, 1024, 1, None) == 1
+    assert staged(1, 0, 32, 1, layout, 1, 1, 0, 0, 1, 1 << 30, 1, None) == 0
 
 
 def test_real_library_chained_transfer_refuses_bad_arguments_before_any_cuda_call(
