@@ -391,6 +391,16 @@ def test_layout_from_fields() -> None:
         _native.KvioLayout.from_fields(LAYOUT, page_size=64.0)
 
 
+def _recording(function: str) -> Any:
+    """A stand-in for the library function ``function``: records its call, returns status."""
+
+    def call(self: FakeLib, *args: Any) -> int:
+        self.calls.append((function, args))
+        return self.status
+
+    return call
+
+
 class FakeLib:
     """Stands in for the ctypes library: records calls, returns a chosen status."""
 
@@ -410,29 +420,16 @@ class FakeLib:
         messages = {1: b"invalid argument", 700: b"an illegal memory access was encountered"}
         return messages.get(code.value, b"unrecognized error code")
 
-    def kvio_transfer_direct(self, *args: Any) -> int:
-        self.calls.append(("kvio_transfer_direct", args))
-        return self.status
-
-    def kvio_write_back_staged(self, *args: Any) -> int:
-        self.calls.append(("kvio_write_back_staged", args))
-        return self.status
+    kvio_transfer_direct = _recording("kvio_transfer_direct")
+    kvio_write_back_staged = _recording("kvio_write_back_staged")
 
 
 class FakeDmaLib(FakeLib):
     """A fake library that also exports the optional functions."""
 
-    def kvio_load_layer_dma(self, *args: Any) -> int:
-        self.calls.append(("kvio_load_layer_dma", args))
-        return self.status
-
-    def kvio_transfer_direct_chained(self, *args: Any) -> int:
-        self.calls.append(("kvio_transfer_direct_chained", args))
-        return self.status
-
-    def kvio_load_all_staged(self, *args: Any) -> int:
-        self.calls.append(("kvio_load_all_staged", args))
-        return self.status
+    kvio_load_layer_dma = _recording("kvio_load_layer_dma")
+    kvio_transfer_direct_chained = _recording("kvio_transfer_direct_chained")
+    kvio_load_all_staged = _recording("kvio_load_all_staged")
 
 
 def _values(args: tuple[Any, ...]) -> list[Any]:
