@@ -248,6 +248,6 @@ def test_run_layers_issues_a_per_layer_load_layer_by_layer_chained_after_the_fir
                             variants=tuple(s for s in native_ops() if s.op is op),
                             instance=lambda: backend)
         h, d = torch.arange(16, 32), torch.arange(16)
-        placed = plan.place(h, d, plan.page_bytes(16, 3))
+        placed = plan.place_for(host, h, d)
         assert plan.run_layers(placed, dev, host) == []  # the native backend returns None
         assert [(name, args[3]) for name, args in lib.calls] == expected
