@@ -116,6 +116,14 @@ def test_dma_per_layer_load_equals_the_reference(kind: str, layout: str) -> None
                                    old[untouched].view(torch.int16)), (name, kv, layer)
 
 
+def _shrink_staging(plan: TransferPlan, monkeypatch: pytest.MonkeyPatch, staging_pages: int,
+                    page_bytes: int) -> None:
+    """Give the plan's backend a staging buffer of ``staging_pages`` and a half pages."""
+    backend = plan.instance()
+    monkeypatch.setattr(backend, "staging_bytes", staging_pages * page_bytes + page_bytes // 2)
+    monkeypatch.setattr(backend, "_staging", {})
+
+
 @pytest.mark.parametrize("staging_pages", [1, 3])  # per-K/V pages the staging buffer holds
 def test_staged_write_back_splits_k_and_v_when_a_page_pair_does_not_fit_twice(
         staging_pages: int, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -123,9 +131,7 @@ def test_staged_write_back_splits_k_and_v_when_a_page_pair_does_not_fit_twice(
     plan = _plan(Op.WRITE_BACK, "mha", "page_first", "cuda")
     page_bytes = plan.page_bytes(PAGE, LAYERS)
     assert plan.select(page_bytes).variant == "staged"
-    backend = plan.instance()
-    monkeypatch.setattr(backend, "staging_bytes", staging_pages * page_bytes + page_bytes // 2)
-    monkeypatch.setattr(backend, "_staging", {})
+    _shrink_staging(plan, monkeypatch, staging_pages, page_bytes)
     dev, host = _pools("mha", "page_first", gen)
     want = host.buffer.clone()
     h_pages = torch.randperm(POOL_PAGES, generator=gen)[:19].tolist()
@@ -147,10 +153,7 @@ def test_staged_all_layer_load_equals_the_reference_for_any_staging_budget(
     page_bytes = plan.page_bytes(PAGE, LAYERS)
     assert plan.select(page_bytes).variant == "staged"
     if staging_pages is not None:  # a page of K and V together fits once (1) or not twice (3)
-        backend = plan.instance()
-        monkeypatch.setattr(backend, "staging_bytes",
-                            staging_pages * page_bytes + page_bytes // 2)
-        monkeypatch.setattr(backend, "_staging", {})
+        _shrink_staging(plan, monkeypatch, staging_pages, page_bytes)
     ref = _plan(Op.LOAD_ALL, kind, "page_first", "reference")
     for name, (h, d) in _index_patterns(gen).items():
         if name in ("tokens", "ragged"):
