@@ -31,19 +31,18 @@ TWIN = "reference_twin"
 
 
 def run_rank(rank: int, world: int, port: int, plays: list[tuple[str, int, float]],
-             queue: Any) -> None:
+             queue: Any, joined: Any) -> None:
     """Entry point of one spawned rank: play each ``(scenario, odd_rank, timeout_s)`` in turn.
 
     Puts ``(scenario, rank, outcome)`` on ``queue`` after each. ``die`` ends the odd rank
-    without a word, so it must come last.
+    without a word, so it must come last. ``joined`` is a barrier of all ranks.
     """
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world, timeout=timedelta(seconds=30))
     # every rank has joined before any scenario runs: a rank dying while a peer is still
-    # connecting its gloo group would fail that peer's init_process_group, not the scenario
-    store = dist.distributed_c10d._get_default_store()
-    store.set(f"test/joined/{rank}", b"1")
-    store.wait([f"test/joined/{r}" for r in range(world)], timedelta(seconds=30))
+    # connecting its gloo group (or still waiting on the store for a barrier built on it)
+    # would fail that peer outside the scenario; a process barrier needs no store
+    joined.wait(timeout=60)
     dead = None
     for scenario, odd_rank, timeout_s in plays:
         if scenario == "die":

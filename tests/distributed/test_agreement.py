@@ -39,9 +39,10 @@ def spawn(world: int, plays: list[tuple[str, int, float]]) -> Outcomes:
     Fails if any rank is still running after JOIN_S (the stragglers are killed).
     """
     ctx = mp.get_context("spawn")
-    results = ctx.Queue()
+    results, joined = ctx.Queue(), ctx.Barrier(world)
     port = free_port()
-    procs = [ctx.Process(target=run_rank, args=(r, world, port, plays, results), daemon=True)
+    procs = [ctx.Process(target=run_rank, args=(r, world, port, plays, results, joined),
+                         daemon=True)
              for r in range(world)]
     for p in procs:
         p.start()
