@@ -22,7 +22,9 @@ if TYPE_CHECKING:
 
 @attrs.frozen
 class TransferJob:
-    """One validated, placed transfer. ``layer`` is set for LOAD_LAYER only.
+    """One validated, placed transfer. ``layer`` is set for LOAD_LAYER only, except that a
+    variant declared with ``layer_signals`` also gets LOAD_LAYER jobs with ``layer`` None: all
+    layers in one submission, answered with a :class:`~kvcore.signals.LayerSignals`.
 
     ``chained`` is a promise from the caller: the work enqueued on ``stream`` just before this
     job is an earlier job of the same load (the same host pool and placed indices, another
@@ -80,9 +82,12 @@ class TransferBackend(Protocol):
     def run(self, job: TransferJob) -> Completion | None:
         """Enqueue (or perform) the transfer described by ``job``.
 
-        Raise at once for failures known at submission. A backend whose failures can only be
-        known later returns a :class:`Completion`; the controller calls its ``check()`` once
-        the transfer's stream event completed and never acknowledges a transfer whose check
-        raised. Raise :class:`kvcore.errors.DeviceFault` when the device can no longer be used.
+        Raise at once for failures known at submission. A LOAD_LAYER job with ``layer`` None
+        (only a ``layer_signals`` variant gets one) returns a
+        :class:`~kvcore.signals.LayerSignals`, which is also its Completion. Otherwise a
+        backend whose failures can only be known later returns a :class:`Completion`; the
+        controller calls its ``check()`` once the transfer's stream event completed and never
+        acknowledges a transfer whose check raised. Raise :class:`kvcore.errors.DeviceFault`
+        when the device can no longer be used.
         """
         ...

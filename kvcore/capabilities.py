@@ -102,6 +102,9 @@ class OpSupport:
     batched_memcpy: bool = False  # uses a batched memcpy entry point when the runtime has it
     min_page_bytes: int = 0
     max_page_bytes: int | None = None
+    #: LOAD_LAYER only: a job whose ``layer`` is None moves every layer in one submission and
+    #: returns a :class:`~kvcore.signals.LayerSignals` (single-layer jobs work as usual)
+    layer_signals: bool = False
 
     def covers(self, op: Op, kind: Kind, layout: Layout) -> bool:
         return op is self.op and kind in self.kinds and layout in self.layouts

@@ -46,6 +46,7 @@ from kvcore.plan import TransferPlan
 from kvcore.policy import CacheEvent, WritePolicy, should_back_up
 from kvcore.pools import DevicePool, HostPool
 from kvcore.registry import Registry, default_registry, make_request
+from kvcore.signals import LayerSignals
 from kvcore.streams import current_stream, new_event, new_stream, on_stream
 from kvcore.validate import check_index_tensor
 
@@ -176,7 +177,8 @@ class HiCacheController:
             "host_indices", host_indices, "write")
         ack = WriteAck(next(self._ids), h, d)
         try:
-            events, completions = self._submit(Op.WRITE_BACK, self.write_stream, h, d, [None])
+            events, completions, _ = self._submit(Op.WRITE_BACK, self.write_stream, h, d,
+                                                  [None])
         except BaseException as exc:
             if owns:
                 # an earlier pool-group member's copy may still be writing these host slots
@@ -291,14 +293,16 @@ class HiCacheController:
         n_layers = self.members[0].host.geometry.num_layers
         try:
             if all_layers:
-                events, completions = self._submit(Op.LOAD_ALL, self.load_stream, h, d, [None])
+                events, completions, _ = self._submit(Op.LOAD_ALL, self.load_stream, h, d,
+                                                      [None])
                 events, completions = events * n_layers, completions * n_layers
+                signals = None
             else:
-                events, completions = self._submit(Op.LOAD_LAYER, self.load_stream, h, d,
-                                                   list(range(n_layers)))
+                events, completions, signals = self._submit(Op.LOAD_LAYER, self.load_stream, h,
+                                                            d, list(range(n_layers)))
         except BaseException as exc:
             raise self._failure("load", exc) from exc
-        return LoadHandle(events, completions, self.device, self._record_fault)
+        return LoadHandle(events, completions, self.device, self._record_fault, signals)
 
     # -- internals -------------------------------------------------------------------------
 
@@ -310,12 +314,16 @@ class HiCacheController:
             check_indices(self.plans[(i, op)], m.device, m.host, h, d, layer)
 
     def _submit(self, op: Op, stream: Any, h: torch.Tensor, d: torch.Tensor,
-                layers: list[int | None]) -> tuple[list[Any], list[list[Any]]]:
+                layers: list[int | None],
+                ) -> tuple[list[Any], list[list[Any]], LayerSignals | None]:
         """Check the indices, order ``stream`` after the caller's stream, place the indices
         once per pool-group member, then enqueue ``op`` for each of ``layers``.
 
-        Returns one completion event and one list of backend completions per layer. Placing
-        once keeps a per-layer load from copying its indices again for every layer.
+        Returns one completion event and one list of backend completions per layer, and the
+        LayerSignals of a per-layer load submitted as one job. That happens where the placed
+        variant has ``layer_signals`` and the group has one member (with several, each
+        member's job would hold back every layer of the next). Placing once keeps a
+        per-layer load from copying its indices again for every layer.
         """
         self._check_all(op, h, d, layers[0])
         if stream is not None:
@@ -329,6 +337,14 @@ class HiCacheController:
         with on_stream(stream):
             placed = [self.plans[(i, op)].place_for(m.host, h, d)
                       for i, m in enumerate(self.members)]
+            if op is Op.LOAD_LAYER and len(placed) == 1 and placed[0].support.layer_signals:
+                m = self.members[0]
+                signals = self.plans[(0, op)].run_signaled(placed[0], m.device, m.host,
+                                                           stream=stream)
+                event = new_event(self.device)
+                if event is not None:
+                    event.record(stream)
+                return [event] * len(layers), [[signals]] * len(layers), signals
             for n, layer in enumerate(layers):
                 done = []
                 for i, m in enumerate(self.members):
@@ -343,7 +359,7 @@ class HiCacheController:
                     event.record(stream)
                 events.append(event)
                 completions.append(done)
-        return events, completions
+        return events, completions, None
 
     def _failure(self, what: str, exc: BaseException) -> BaseException:
         if isinstance(exc, (InvalidArgument, ControllerUnusable)) or not isinstance(

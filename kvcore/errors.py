@@ -94,6 +94,10 @@ class DeviceFault(KernelError):
     """The device reported an error after which it cannot be trusted (a sticky fault)."""
 
 
+class ContractViolation(KVCoreError, TypeError):
+    """A backend answered a job with something its declared capabilities rule out."""
+
+
 class TransferFailed(KVCoreError, RuntimeError):
     """A transfer did not complete. Its host pages were released; nothing was acknowledged."""
 

@@ -9,6 +9,7 @@ import attrs
 import torch
 
 from kvcore.errors import InvalidArgument, TransferFailed
+from kvcore.signals import LayerSignals
 from kvcore.streams import current_stream
 
 
@@ -36,11 +37,17 @@ class LoadHandle:
 
     A failed load is never reported as landed: once a layer's transfer is known to have
     failed, every later ``wait_layer``/``wait``/``done`` raises the same TransferFailed.
+
+    ``events`` holds one event per layer, recorded after it (the same event for every layer
+    of a load submitted as one job); with ``signals`` (such a job's LayerSignals)
+    ``wait_layer`` waits for the layer's own signal instead of the event.
     """
 
     def __init__(self, events: list[Any], completions: list[list[Any]], device: torch.device,
-                 on_failure: Callable[[BaseException], None]) -> None:
+                 on_failure: Callable[[BaseException], None],
+                 signals: LayerSignals | None = None) -> None:
         self._events = events
+        self._signals = signals
         self._completions: list[list[Any] | None] = list(completions)
         self._device = device
         self._on_failure = on_failure
@@ -62,6 +69,8 @@ class LoadHandle:
         event = self._events[layer]
         if event is None:
             self._check([layer])
+        elif self._signals is not None:
+            self._signals.wait_layer(layer, current_stream(self._device))
         else:
             current_stream(self._device).wait_event(event)
 

@@ -7,6 +7,8 @@ Vendor-neutral: it turns a :class:`~kvcore.backend.TransferJob` into the ABI's a
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
@@ -16,7 +18,8 @@ from kvcore.capabilities import HostMemory, IndexSpec, OpSupport, Residency, op_
 from kvcore.errors import InvalidArgument
 from kvcore.layout import ByteStrides, Kind, Layout, Op
 from kvcore.native_abi import KvioLayout, make_layout
-from kvcore.streams import current_stream
+from kvcore.signals import EventLayerSignals, LayerSignals
+from kvcore.streams import current_stream, new_event
 
 DEVICE_TO_HOST = 0
 HOST_TO_DEVICE = 1
@@ -47,6 +50,15 @@ class NativeLibrary(Protocol):
                        host_idx_cpu: int, dev_idx_cpu: int, n_tokens: int, use_batched: int,
                        stream: int) -> None: ...
 
+    def has_layer_signals(self) -> bool: ...
+
+    def load_layers_signaled(self, k_ptrs: int, v_ptrs: int, num_layers: int, host_base: int,
+                             layout: Any, host_idx: int, host_idx_64: int, dev_idx: int,
+                             dev_idx_64: int, n_tokens: int, counters: int, flags: int,
+                             epoch: int, stream: int) -> None: ...
+
+    def wait_layer_signal(self, flag: int, epoch: int, stream: int) -> None: ...
+
 
 def layout_fields(s: ByteStrides) -> dict[str, int]:
     """The kvio_layout struct's fields, from kvcore.layout's byte strides."""
@@ -69,6 +81,8 @@ class NativeBackend:
     STAGED = "staged"
     #: the variant name that selects the copy-engine per-layer load
     DMA = "dma"
+    #: the variant name of the per-layer load that moves every layer in one launch
+    SIGNALED = "signaled"
 
     def __init__(self, device: torch.device, library: NativeLibrary,
                  staging_bytes: int = DEFAULT_STAGING_BYTES, use_batched: bool = True) -> None:
@@ -78,6 +92,10 @@ class NativeBackend:
         self.use_batched = use_batched
         self._staging: dict[int, torch.Tensor] = {}
         self._layouts: dict[ByteStrides, KvioLayout] = {}
+        self._signals: dict[int, SignalBuffer] = {}
+        self._retired_signals: list[SignalBuffer] = []  # outgrown; a wait may still read one
+        self._signal_lock = threading.Lock()
+        self._has_signals: bool | None = None
 
     def raw_stream(self, stream: Any) -> int:
         """The runtime's handle of a torch stream (0: the default stream)."""
@@ -101,7 +119,7 @@ class NativeBackend:
                                                 device=self.device)
         return self._staging[stream]
 
-    def run(self, job: TransferJob) -> None:
+    def run(self, job: TransferJob) -> LayerSignals | None:
         pool = job.device_pool
         if pool.device != self.device:
             raise InvalidArgument("device_pool", f"tensors on {self.device}", str(pool.device))
@@ -114,6 +132,8 @@ class NativeBackend:
         stream = self.stream_handle(job.stream)
         h, d = job.host_indices, job.device_indices
         host_base = job.host_buffer.data_ptr()
+        if job.op is Op.LOAD_LAYER and job.layer is None:
+            return self._load_signaled(job, k_ptrs, v_ptrs, host_base, layout, stream)
         if job.support.variant == self.STAGED:
             if job.op is Op.LOAD_LAYER:
                 raise InvalidArgument("job.support", "a per-layer load variant other than "
@@ -139,6 +159,85 @@ class NativeBackend:
         self.lib.transfer_direct(direction, k_ptrs, v_ptrs, layers.start, len(layers),
                                  host_base, layout, h.data_ptr(), is_64(h), d.data_ptr(),
                                  is_64(d), h.numel(), stream, chained=job.chained)
+        return None
+
+    def _load_signaled(self, job: TransferJob, k_ptrs: int, v_ptrs: int, host_base: int,
+                       layout: KvioLayout, stream: int) -> LayerSignals:
+        """Every layer of a per-layer load in one launch, each layer raising its own flag.
+        Where the library cannot (``has_layer_signals`` false) the layers go one launch each
+        with an event after each, which is what the caller would have done."""
+        if not job.support.layer_signals:
+            raise InvalidArgument("job.layer", f"a layer (variant {job.support.variant!r} has "
+                                  "no layer_signals)", "None")
+        h, d = job.host_indices, job.device_indices
+        num_layers = job.host_geometry.num_layers
+        if self._has_signals is None:
+            self._has_signals = self.lib.has_layer_signals()
+        if not self._has_signals:
+            events = []
+            for layer in range(num_layers):
+                self.lib.transfer_direct(HOST_TO_DEVICE, k_ptrs, v_ptrs, layer, 1, host_base,
+                                         layout, h.data_ptr(), is_64(h), d.data_ptr(),
+                                         is_64(d), h.numel(), stream, chained=layer > 0)
+                event = new_event(self.device)
+                if event is not None:
+                    event.record(job.stream)
+                events.append(event)
+            return EventLayerSignals(events)
+        with self._signal_lock:  # epochs reach the stream in the order they are handed out
+            buf = self._signal_buffer(stream, num_layers)
+            epoch = buf.next_epoch()
+            self.lib.load_layers_signaled(k_ptrs, v_ptrs, num_layers, host_base, layout,
+                                          h.data_ptr(), is_64(h), d.data_ptr(), is_64(d),
+                                          h.numel(), buf.counters, buf.flags, epoch, stream)
+        return NativeLayerSignals(self, buf, epoch)
+
+    def _signal_buffer(self, stream: int, num_layers: int) -> SignalBuffer:
+        """The signal memory of ``stream`` (one per stream, as the staging buffers), at least
+        ``num_layers`` layers large. An outgrown one is kept: waits may still read it."""
+        buf = self._signals.get(stream)
+        if buf is None or buf.capacity < num_layers:
+            if buf is not None:
+                self._retired_signals.append(buf)
+            buf = self._signals[stream] = SignalBuffer(self.device, max(num_layers, 128))
+        return buf
+
+
+class SignalBuffer:
+    """Device memory for the signaled loads of one stream: ``capacity`` tile counters (zero
+    between loads) and ``capacity`` ready flags, and the epoch the last load raised them to.
+    Loads on one stream run in order, so the flags only grow (cyclically, as the wait
+    compares them); epoch 0 is the fresh memory's and never handed out first."""
+
+    def __init__(self, device: torch.device, capacity: int) -> None:
+        self.capacity = capacity
+        self.memory = torch.zeros(2 * capacity, dtype=torch.int32, device=device)
+        # the zeros are enqueued on the current stream; the loads may run on another
+        torch.get_device_module(device).synchronize(device)
+        self.counters = self.memory.data_ptr()
+        self.flags = self.counters + 4 * capacity
+        self.epoch = 0
+
+    def next_epoch(self) -> int:
+        self.epoch = (self.epoch + 1) & 0xFFFFFFFF
+        return self.epoch
+
+
+class NativeLayerSignals:
+    """The LayerSignals of one signaled load: layer l has landed once flag l reaches
+    ``epoch``; a wait is a stream-side wait on that flag (no host round trip)."""
+
+    def __init__(self, backend: NativeBackend, buffer: SignalBuffer, epoch: int) -> None:
+        self._wait: Callable[[int, int, int], None] = backend.lib.wait_layer_signal
+        self._stream_handle = backend.stream_handle
+        self._buffer = buffer  # keeps the flags alive while a wait may be enqueued
+        self.epoch = epoch
+
+    def wait_layer(self, layer: int, stream: Any) -> None:
+        self._wait(self._buffer.flags + 4 * layer, self.epoch, self._stream_handle(stream))
+
+    def check(self) -> None:
+        return None
 
 
 #: pages (per K/V, over all layers) at least this large go through the staged write-back
@@ -155,7 +254,8 @@ def native_ops(staging_bytes: int = DEFAULT_STAGING_BYTES,
                element_alignment: int = 16,
                dma_load_layouts: tuple[Layout, ...] = (),
                dma_min_page_bytes: int = DMA_MIN_PAGE_BYTES,
-               staged_load: bool = False) -> tuple[OpSupport, ...]:
+               staged_load: bool = False,
+               signaled_load: bool = False) -> tuple[OpSupport, ...]:
     """The operation variants every implementation of the native ABI declares.
 
     Write-back has two variants chosen per call by page size: ``staged`` (device gather into
@@ -170,7 +270,12 @@ def native_ops(staging_bytes: int = DEFAULT_STAGING_BYTES,
     there); it needs the library's optional ``kvio_load_layer_dma``. With ``staged_load``
     the all-layer load has a ``staged`` variant too, the write-back's mirror (copies of whole
     host pages into the staging buffer, then a device scatter; same page window and index
-    residency); it needs the library's optional ``kvio_load_all_staged``.
+    residency); it needs the library's optional ``kvio_load_all_staged``. With
+    ``signaled_load`` the direct per-layer load is the ``signaled`` variant: it also takes one
+    job for every layer, moved in one launch layer after layer, each layer raising a ready
+    flag that ``wait_layer`` waits on (``layer_signals``); it needs the library's optional
+    ``kvio_load_layers_signaled`` and ``kvio_wait_layer_signal``, and falls back to one launch
+    per layer with an event after each where they cannot run.
     """
     kinds = (Kind.MHA, Kind.MLA)
     contiguous = (Layout.PAGE_FIRST, Layout.PAGE_FIRST_DIRECT, Layout.PAGE_HEAD)
@@ -193,7 +298,8 @@ def native_ops(staging_bytes: int = DEFAULT_STAGING_BYTES,
         op_support(Op.WRITE_BACK, kinds, tuple(Layout), Residency.DEVICE, Residency.DEVICE,
                    variant="direct", **common),
         op_support(Op.LOAD_LAYER, kinds, tuple(Layout), Residency.DEVICE, Residency.DEVICE,
-                   variant="direct", **common),
+                   variant=NativeBackend.SIGNALED if signaled_load else "direct",
+                   layer_signals=signaled_load, **common),
         *load_staged,
         op_support(Op.LOAD_ALL, kinds, tuple(Layout), Residency.DEVICE, Residency.DEVICE,
                    variant="direct", **common),

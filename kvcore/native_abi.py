@@ -30,6 +30,7 @@ _LAYOUT_FIELDS = ("kv_stride", "layer_stride", "page_stride", "token_stride", "c
 
 _INT32 = (-(1 << 31), (1 << 31) - 1)
 _INT64 = (-(1 << 63), (1 << 63) - 1)
+_UINT32 = (0, (1 << 32) - 1)
 _PTR = (0, (1 << 64) - 1)
 
 
@@ -160,7 +161,34 @@ OPTIONAL_PROTOTYPES: dict[str, tuple[Any, tuple[Any, ...]]] = {
         _c.c_int,       # use_batched
         _c.c_void_p,    # stream
     )),
+    # the signaled per-layer load: every layer in one launch, one ready flag per layer
+    "kvio_has_layer_signals": (_c.c_int, ()),
+    "kvio_load_layers_signaled": (_c.c_int, (
+        _c.c_void_p,    # k_ptrs
+        _c.c_void_p,    # v_ptrs
+        _c.c_int32,     # num_layers
+        _c.c_void_p,    # host_base
+        KvioLayout,     # layout (by value)
+        _c.c_void_p,    # host_idx
+        _c.c_int,       # host_idx_64
+        _c.c_void_p,    # dev_idx
+        _c.c_int,       # dev_idx_64
+        _c.c_int64,     # n_tokens
+        _c.c_void_p,    # counters (uint32 x num_layers, device, zero between calls)
+        _c.c_void_p,    # flags (uint32 x num_layers, device)
+        _c.c_uint32,    # epoch
+        _c.c_void_p,    # stream
+    )),
+    "kvio_wait_layer_signal": (_c.c_int, (
+        _c.c_void_p,    # flag (device address of one uint32)
+        _c.c_uint32,    # epoch
+        _c.c_void_p,    # stream
+    )),
 }
+
+#: the optional functions that together make the signaled per-layer load
+LAYER_SIGNAL_FUNCTIONS = frozenset({"kvio_has_layer_signals", "kvio_load_layers_signaled",
+                                    "kvio_wait_layer_signal"})
 
 
 class NativeLibrary:
@@ -238,6 +266,12 @@ class NativeLibrary:
     def has_load_layer_dma(self) -> bool:
         """Whether the library exports the optional ``kvio_load_layer_dma``."""
         return "kvio_load_layer_dma" in self.optional
+
+    def has_layer_signals(self) -> bool:
+        """Whether the signaled per-layer load can run: the library exports its three
+        functions and ``kvio_has_layer_signals()`` says the runtime can wait on a flag."""
+        return (LAYER_SIGNAL_FUNCTIONS <= self.optional
+                and bool(int(self._lib.kvio_has_layer_signals())))
 
     def error_string(self, code: int) -> str:
         """The runtime's message for status ``code``."""
@@ -379,3 +413,48 @@ class NativeLibrary:
             _ptr("stream", stream),
         )
         self.check("kvio_load_layer_dma", status)
+
+    def load_layers_signaled(self, k_ptrs: int, v_ptrs: int | None, num_layers: int,
+                             host_base: int, layout: KvioLayout | Mapping[str, int],
+                             host_idx: int, host_idx_64: int, dev_idx: int, dev_idx_64: int,
+                             n_tokens: int, counters: int, flags: int, epoch: int,
+                             stream: int | None) -> None:
+        """``kvio_load_layers_signaled`` (optional): a per-layer load of all ``num_layers``
+        layers in one launch, layer after layer; ``flags[l]`` (device uint32) becomes
+        ``epoch`` once layer l has landed. ``counters`` (device uint32 x num_layers) must be
+        zero and are left zero. Indices as for :meth:`transfer_direct`. Raises BuildError when
+        the library lacks the function, InvalidArgument before any call for an argument out
+        of range, KernelError when the library returns a nonzero status.
+        """
+        self._require_signals()
+        status = self._lib.kvio_load_layers_signaled(
+            _ptr("k_ptrs", k_ptrs),
+            _ptr("v_ptrs", v_ptrs),
+            _int("num_layers", num_layers, _INT32),
+            _ptr("host_base", host_base),
+            make_layout(layout),
+            _ptr("host_idx", host_idx),
+            _flag("host_idx_64", host_idx_64),
+            _ptr("dev_idx", dev_idx),
+            _flag("dev_idx_64", dev_idx_64),
+            _int("n_tokens", n_tokens, _INT64),
+            _ptr("counters", counters),
+            _ptr("flags", flags),
+            _int("epoch", epoch, _UINT32),
+            _ptr("stream", stream),
+        )
+        self.check("kvio_load_layers_signaled", status)
+
+    def wait_layer_signal(self, flag: int, epoch: int, stream: int | None) -> None:
+        """``kvio_wait_layer_signal`` (optional): ``stream`` waits until the device uint32 at
+        ``flag`` reaches ``epoch`` (cyclic: ``(int32)(*flag - epoch) >= 0``). Raises as
+        :meth:`load_layers_signaled`."""
+        self._require_signals()
+        status = self._lib.kvio_wait_layer_signal(
+            _ptr("flag", flag), _int("epoch", epoch, _UINT32), _ptr("stream", stream))
+        self.check("kvio_wait_layer_signal", status)
+
+    def _require_signals(self) -> None:
+        if missing := sorted(LAYER_SIGNAL_FUNCTIONS - self.optional):
+            raise BuildError(f"{self._where()} does not export {', '.join(missing)} (a stale "
+                             f"library; rebuild the {self.name} library)")

@@ -17,8 +17,9 @@ import torch
 
 from kvcore.backend import TransferBackend, TransferJob
 from kvcore.capabilities import HostMemory, IndexSpec, OpSupport, Residency
-from kvcore.errors import NoBackend
+from kvcore.errors import ContractViolation, NoBackend
 from kvcore.layout import Kind, Layout, Op
+from kvcore.signals import LayerSignals
 from kvcore.validate import check_indices
 
 if TYPE_CHECKING:
@@ -128,11 +129,27 @@ class TransferPlan:
             host_strides=host_pool.strides, host_indices=placed.host,
             device_indices=placed.device, layer=layer, stream=stream, chained=chained))
 
+    def run_signaled(self, placed: PlacedIndices, device_pool: DevicePool, host_pool: HostPool,
+                     stream: Any = None) -> LayerSignals:
+        """A per-layer load of every layer as one job, on a ``layer_signals`` variant; returns
+        the backend's :class:`~kvcore.signals.LayerSignals` (ContractViolation if it returned
+        anything else)."""
+        signals = self.run(placed, device_pool, host_pool, layer=None, stream=stream)
+        if not isinstance(signals, LayerSignals):
+            raise ContractViolation(
+                f"{self.context}: variant {placed.support.variant!r} declares layer_signals, "
+                f"so a job for every layer must return LayerSignals (wait_layer, check); it "
+                f"returned {type(signals).__name__}")
+        return signals
+
     def run_layers(self, placed: PlacedIndices, device_pool: DevicePool, host_pool: HostPool,
                    stream: Any = None) -> list[Any]:
-        """Run the whole op as the controller issues it: one call, or for a per-layer load one
-        call per layer with every call after the first ``chained``. Returns the completions
-        the backend returned (None ones left out)."""
+        """Run the whole op as the controller issues it: one call; for a per-layer load one
+        call per layer with every call after the first ``chained``, or one call for every
+        layer where the variant has ``layer_signals``. Returns the completions the backend
+        returned (None ones left out; the LayerSignals of a signaled load)."""
+        if self.request.op is Op.LOAD_LAYER and placed.support.layer_signals:
+            return [self.run_signaled(placed, device_pool, host_pool, stream)]
         layers: list[int | None] = (list(range(host_pool.geometry.num_layers))
                                     if self.request.op is Op.LOAD_LAYER else [None])
         done = [self.run(placed, device_pool, host_pool, layer=layer, stream=stream,
@@ -159,6 +176,7 @@ class TransferPlan:
                  "device_index": f"{v.device_index.residency.value}:"
                                  f"{dtype_name(v.device_index.dtypes[0])}",
                  "staging_bytes": v.staging_bytes,
+                 "layer_signals": v.layer_signals,
                  "page_window": [v.min_page_bytes, v.max_page_bytes]}
                 for v in self.variants
             ],

@@ -58,7 +58,7 @@ def backend_facts(registry: Registry) -> list[dict[str, Any]]:
                                  "dtypes": [dtype_name(d) for d in s.device_index.dtypes]},
                 "element_alignment": s.element_alignment, "staged": s.staged,
                 "staging_bytes": s.staging_bytes, "batched_memcpy": s.batched_memcpy,
-                "contiguous_pages": s.contiguous_pages,
+                "contiguous_pages": s.contiguous_pages, "layer_signals": s.layer_signals,
                 "page_window": [s.min_page_bytes, s.max_page_bytes],
             })
         out.append({
@@ -94,6 +94,8 @@ def _table(facts: list[dict[str, Any]]) -> str:
                 f"               host idx {op['host_index']['residency']}, device idx "
                 f"{op['device_index']['residency']}, align {op['element_alignment']} B"
                 + (f", staging {op['staging_bytes'] >> 20} MiB" if op["staged"] else "")
+                + (", all layers in one job, a signal per layer"
+                   if op.get("layer_signals") else "")
                 + _window(*op["page_window"]))
     return "\n".join(lines)
 

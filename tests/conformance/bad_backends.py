@@ -9,6 +9,7 @@ from kvcore import BackendSpec, IndexSpec, Op, Residency, TransferJob
 from kvcore.errors import KernelError
 from kvcore.layout import canonical_view
 from kvcore.registry import Registry
+from kvcore.signals import EventLayerSignals
 
 
 class _Delegate:
@@ -82,9 +83,30 @@ class NoBoundCheck(_Delegate):
                             t[d + 1] = t[d]
 
 
+class Signaled(_Delegate):
+    """A correct per-layer load submitted as one job: declares layer_signals and answers a
+    job for every layer with LayerSignals (the reference has already run it)."""
+
+    def run(self, job: TransferJob) -> EventLayerSignals | None:
+        super().run(job)
+        if job.op is Op.LOAD_LAYER and job.layer is None:
+            return EventLayerSignals([None] * job.host_geometry.num_layers)
+        return None
+
+
+class ForgetsSignals(_Delegate):
+    """Declares layer_signals but answers a job for every layer with nothing."""
+
+
+def _signaled_ops(ops: tuple) -> tuple:
+    return tuple(attrs.evolve(s, layer_signals=True) if s.op is Op.LOAD_LAYER else s
+                 for s in ops)
+
+
 def register_bad(registry: Registry) -> None:
-    """Register the three bad backends (flipped_byte, wrong_residency, no_bound_check) and a
-    correct one that claims write-back only (write_only)."""
+    """Register the bad backends (flipped_byte, wrong_residency, no_bound_check,
+    forgets_signals) and correct ones that claim write-back only (write_only) or submit a
+    per-layer load as one job (signaled)."""
     ref = registry.get("reference").spec.capabilities
     plans = {
         "flipped_byte": (FlippedByte, ref.ops),
@@ -92,6 +114,8 @@ def register_bad(registry: Registry) -> None:
             attrs.evolve(s, device_index=IndexSpec(Residency.HOST)) for s in ref.ops)),
         "no_bound_check": (NoBoundCheck, ref.ops),
         "write_only": (_Delegate, tuple(s for s in ref.ops if s.op is Op.WRITE_BACK)),
+        "signaled": (Signaled, _signaled_ops(ref.ops)),
+        "forgets_signals": (ForgetsSignals, _signaled_ops(ref.ops)),
     }
     for name, (cls, ops) in plans.items():
         caps = attrs.evolve(ref, name=name, ops=ops, priority=-100, description=cls.__doc__)

@@ -19,6 +19,7 @@ CAUSES = {
     "flipped_byte": ("differs from the reference",),
     "wrong_residency": ("residency",),
     "no_bound_check": ("wrote outside its destination", "differs from the reference"),
+    "forgets_signals": ("declares layer_signals",),
 }
 
 CASES = "TestPageCounts and (p1 or p4) or TestBadInputs and out_of_range"
@@ -51,6 +52,13 @@ def test_suite_fails_with_the_cause(bad_backends: None, name: str) -> None:
 
 def test_reference_passes_the_same_selection() -> None:
     result = run_suite("reference", "cpu", quick=True, extra=["-q", "-k", CASES])
+    assert result.ok, [f.message for f in result.failures]
+    assert result.totals()["passed"] > 50
+
+
+def test_a_per_layer_load_submitted_as_one_job_passes_the_same_selection(
+        bad_backends: None) -> None:
+    result = run_suite("signaled", "cpu", quick=True, extra=["-q", "-k", CASES])
     assert result.ok, [f.message for f in result.failures]
     assert result.totals()["passed"] > 50
 

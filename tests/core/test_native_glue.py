@@ -13,8 +13,9 @@ from kvcore.pools import DevicePool, HostPool
 
 
 class RecordingLibrary:
-    def __init__(self) -> None:
+    def __init__(self, signals: bool = True) -> None:
         self.calls: list[tuple[str, tuple[Any, ...]]] = []
+        self.signals = signals
 
     def transfer_direct(self, *args: Any, chained: bool = False) -> None:
         self.calls.append(("direct chained" if chained else "direct", args))
@@ -28,6 +29,15 @@ class RecordingLibrary:
     def load_layer_dma(self, *args: Any) -> None:
         self.calls.append(("dma", args))
 
+    def has_layer_signals(self) -> bool:
+        return self.signals
+
+    def load_layers_signaled(self, *args: Any) -> None:
+        self.calls.append(("signaled", args))
+
+    def wait_layer_signal(self, *args: Any) -> None:
+        self.calls.append(("wait", args))
+
 
 class CpuNative(NativeBackend):
     def raw_stream(self, stream: Any) -> int:
@@ -35,8 +45,9 @@ class CpuNative(NativeBackend):
         return 0
 
 
-def _setup(layout: str) -> tuple[CpuNative, RecordingLibrary, DevicePool, HostPool]:
-    lib = RecordingLibrary()
+def _setup(layout: str, signals: bool = True,
+           ) -> tuple[CpuNative, RecordingLibrary, DevicePool, HostPool]:
+    lib = RecordingLibrary(signals)
     backend = CpuNative(torch.device("cpu"), lib, staging_bytes=1 << 20)  # type: ignore[arg-type]
     dev = DevicePool.allocate("mha", 3, 64, 2, 64, torch.bfloat16, "cpu", 16)
     host = HostPool.wrap(torch.empty(_shape(layout), dtype=torch.bfloat16), "mha", layout, 3, 2,
@@ -50,20 +61,27 @@ def _shape(layout: str) -> tuple[int, ...]:
     return host_shape(Geometry(Kind.MHA, Layout(layout), 3, 64, 2, 64, 16))
 
 
-def _run(backend: CpuNative, dev: DevicePool, host: HostPool, op: Op, variant: str,
-         layer: int | None = None, chained: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def _job(dev: DevicePool, host: HostPool, op: Op, variant: str, layer: int | None = None,
+         chained: bool = False) -> Any:
     from kvcore.backend import TransferJob
     from kvcore.layout import Layout
     from kvcore.native import native_ops
 
-    ops = native_ops(dma_load_layouts=(Layout.LAYER_FIRST,), staged_load=True)
+    ops = (*native_ops(dma_load_layouts=(Layout.LAYER_FIRST,), staged_load=True),
+           *native_ops(signaled_load=True))
     support = next(s for s in ops if s.op is op and s.variant == variant)
-    h = torch.arange(16, 32, dtype=torch.int64)
-    d = torch.arange(16, dtype=torch.int32)
-    backend.run(TransferJob(op=op, support=support, device_pool=dev, host_buffer=host.buffer,
-                            host_geometry=host.geometry, host_strides=host.strides,
-                            host_indices=h, device_indices=d, layer=layer, chained=chained))
-    return h, d
+    return TransferJob(op=op, support=support, device_pool=dev, host_buffer=host.buffer,
+                       host_geometry=host.geometry, host_strides=host.strides,
+                       host_indices=torch.arange(16, 32, dtype=torch.int64),
+                       device_indices=torch.arange(16, dtype=torch.int32), layer=layer,
+                       chained=chained)
+
+
+def _run(backend: CpuNative, dev: DevicePool, host: HostPool, op: Op, variant: str,
+         layer: int | None = None, chained: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    job = _job(dev, host, op, variant, layer, chained)
+    backend.run(job)
+    return job.host_indices, job.device_indices
 
 
 def test_staged_write_back_passes_cpu_host_indices_a_staging_buffer_and_the_layout() -> None:
@@ -226,9 +244,9 @@ def test_kvio_cuda_loads_64_kib_layer_slices_by_the_copy_engine_and_smaller_ones
     for layout in Layout:
         plan = _kvio_cuda_plan(Op.LOAD_LAYER, layout, 1024)
         contiguous = layout in (Layout.LAYER_FIRST, Layout.PAGE_FIRST_DIRECT)
-        assert plan.select(64 << 10).variant == ("dma" if contiguous else "direct"), layout
-        assert plan.select((64 << 10) - 16).variant == "direct", layout
-        assert plan.select(32 << 10).variant == "direct", layout
+        assert plan.select(64 << 10).variant == ("dma" if contiguous else "signaled"), layout
+        assert plan.select((64 << 10) - 16).variant == "signaled", layout
+        assert plan.select(32 << 10).variant == "signaled", layout
 
 
 def test_run_layers_issues_a_per_layer_load_layer_by_layer_chained_after_the_first() -> None:
@@ -251,3 +269,135 @@ def test_run_layers_issues_a_per_layer_load_layer_by_layer_chained_after_the_fir
         placed = plan.place_for(host, h, d)
         assert plan.run_layers(placed, dev, host) == []  # the native backend returns None
         assert [(name, args[3]) for name, args in lib.calls] == expected
+
+
+# ------------------------------------------------------------------ the signaled per-layer load
+
+
+def test_a_signaled_load_of_every_layer_is_one_library_call_with_the_streams_signal_memory(
+) -> None:
+    from kvcore.native import NativeLayerSignals
+
+    backend, lib, dev, host = _setup("layer_first")
+    job = _job(dev, host, Op.LOAD_LAYER, "signaled")
+    first, second = backend.run(job), backend.run(job)
+    assert isinstance(first, NativeLayerSignals) and isinstance(second, NativeLayerSignals)
+    (n1, a1), (n2, a2) = lib.calls
+    assert n1 == n2 == "signaled"
+    k, v, layers, base, layout, h, h64, d, d64, n, counters, flags, epoch, stream = a1
+    assert (k, v, layers, base) == (dev.k_ptrs.data_ptr(), dev.v_ptrs.data_ptr(), 3,
+                                    host.buffer.data_ptr())
+    assert (h, h64, d, d64, n, stream) == (job.host_indices.data_ptr(), 1,
+                                           job.device_indices.data_ptr(), 0, 16, 0)
+    assert make_layout(layout).as_dict() == layout_fields(host.strides)
+    buf = backend._signal_buffer(0, 3)
+    assert (counters, flags) == (buf.counters, buf.flags)
+    assert flags == counters + 4 * buf.capacity and buf.capacity >= 3
+    assert buf.memory.dtype == torch.int32 and not buf.memory.any()  # fresh: all zero
+    # the same stream, the same memory; every load raises the flags to a new epoch
+    assert a2[10:12] == (counters, flags) and (epoch, a2[12]) == (1, 2)
+    lib.calls.clear()
+    second.wait_layer(2, None)
+    assert lib.calls == [("wait", (flags + 8, 2, 0))]
+
+
+def test_the_signal_memory_grows_for_more_layers_and_keeps_the_memory_it_outgrew() -> None:
+    backend, _, _, _ = _setup("layer_first")
+    small = backend._signal_buffer(0, 3)
+    assert backend._signal_buffer(0, small.capacity) is small
+    big = backend._signal_buffer(0, small.capacity + 1)
+    assert big is not small and big.capacity == small.capacity + 1
+    assert small in backend._retired_signals  # a wait enqueued on it may still read it
+    assert big.next_epoch() == 1  # its flags start from zero again
+
+
+def test_epochs_wrap_past_32_bits_without_handing_out_the_fresh_memorys_zero_first() -> None:
+    from kvcore.native import SignalBuffer
+
+    buf = SignalBuffer(torch.device("cpu"), 4)
+    assert buf.next_epoch() == 1
+    buf.epoch = 0xFFFFFFFF
+    assert buf.next_epoch() == 0  # the wait's cyclic compare treats 0 as after 0xFFFFFFFF
+
+
+def test_without_signals_in_the_library_the_layers_go_one_launch_each() -> None:
+    from kvcore.signals import EventLayerSignals
+
+    backend, lib, dev, host = _setup("page_first", signals=False)
+    signals = backend.run(_job(dev, host, Op.LOAD_LAYER, "signaled"))
+    assert isinstance(signals, EventLayerSignals)
+    assert [(name, args[0], args[3], args[4]) for name, args in lib.calls] == [
+        ("direct", HOST_TO_DEVICE, 0, 1), ("direct chained", HOST_TO_DEVICE, 1, 1),
+        ("direct chained", HOST_TO_DEVICE, 2, 1)]
+    signals.wait_layer(1, None)  # no streams here: the layers have run, nothing to wait for
+
+
+def test_a_job_for_every_layer_on_a_variant_without_signals_is_refused() -> None:
+    import pytest
+
+    from kvcore.errors import InvalidArgument
+
+    backend, lib, dev, host = _setup("page_first")
+    with pytest.raises(InvalidArgument, match=r"job\.layer.*layer_signals"):
+        backend.run(_job(dev, host, Op.LOAD_LAYER, "direct"))
+    assert lib.calls == []
+
+
+def test_a_single_layer_job_on_the_signaled_variant_is_the_direct_kernel() -> None:
+    backend, lib, dev, host = _setup("page_first")
+    assert backend.run(_job(dev, host, Op.LOAD_LAYER, "signaled", layer=1)) is None
+    assert [(name, args[3], args[4]) for name, args in lib.calls] == [("direct", 1, 1)]
+
+
+def test_signaled_load_declaration() -> None:
+    from kvcore.native import native_ops
+
+    plain = [s for s in native_ops() if s.op is Op.LOAD_LAYER]
+    assert [(s.variant, s.layer_signals) for s in plain] == [("direct", False)]
+    signaled, = (s for s in native_ops(signaled_load=True) if s.op is Op.LOAD_LAYER)
+    assert (signaled.variant, signaled.layer_signals) == ("signaled", True)
+    assert signaled.host_index == plain[0].host_index
+    assert signaled.device_index == plain[0].device_index
+    assert not [s for s in native_ops(signaled_load=True) if s.op is not Op.LOAD_LAYER
+                and s.layer_signals]
+
+
+def _signaled_plan(backend: Any) -> Any:
+    from kvcore.capabilities import HostMemory
+    from kvcore.native import native_ops
+    from kvcore.plan import TransferPlan
+    from kvcore.registry import make_request
+
+    req = make_request(Op.LOAD_LAYER, "mha", "page_first", torch.bfloat16, 256, "cpu")
+    return TransferPlan(request=req, backend_name="native", backend_version="0",
+                        host_memory=HostMemory.PINNED,
+                        variants=tuple(s for s in native_ops(signaled_load=True)
+                                       if s.op is Op.LOAD_LAYER),
+                        instance=lambda: backend)
+
+
+def test_run_layers_on_a_signaled_variant_is_one_job_for_every_layer() -> None:
+    from kvcore.native import NativeLayerSignals
+
+    backend, lib, dev, host = _setup("page_first")
+    plan = _signaled_plan(backend)
+    done = plan.run_layers(plan.place_for(host, torch.arange(16, 32), torch.arange(16)), dev,
+                           host)
+    assert len(done) == 1 and isinstance(done[0], NativeLayerSignals)
+    assert [name for name, _ in lib.calls] == ["signaled"]
+
+
+def test_a_signaled_variant_that_returns_no_signals_breaks_the_contract() -> None:
+    import pytest
+
+    from kvcore.errors import ContractViolation
+
+    class Forgetful:
+        def run(self, job: Any) -> None:
+            return None
+
+    plan = _signaled_plan(Forgetful())
+    _, _, dev, host = _setup("page_first")
+    placed = plan.place_for(host, torch.arange(16, 32), torch.arange(16))
+    with pytest.raises(ContractViolation, match=r"layer_signals.*returned NoneType"):
+        plan.run_layers(placed, dev, host)

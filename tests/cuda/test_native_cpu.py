@@ -430,6 +430,12 @@ class FakeDmaLib(FakeLib):
     kvio_load_layer_dma = _recording("kvio_load_layer_dma")
     kvio_transfer_direct_chained = _recording("kvio_transfer_direct_chained")
     kvio_load_all_staged = _recording("kvio_load_all_staged")
+    kvio_load_layers_signaled = _recording("kvio_load_layers_signaled")
+    kvio_wait_layer_signal = _recording("kvio_wait_layer_signal")
+    signals = 1
+
+    def kvio_has_layer_signals(self) -> int:
+        return self.signals
 
 
 def _values(args: tuple[Any, ...]) -> list[Any]:
@@ -566,6 +572,44 @@ def test_load_layer_dma_marshalling() -> None:
     with pytest.raises(KernelError, match=r"^kvio_load_layer_dma: an illegal memory"):
         _native.NativeLibrary("fake.so", lib=FakeDmaLib(status=700)).load_layer_dma(
             1, 2, 0, 3, LAYOUT, 4, 5, 64, 1, 0)
+
+
+def test_signaled_load_and_its_wait_marshalling() -> None:
+    fake = FakeDmaLib()
+    lib = _native.NativeLibrary("fake.so", lib=fake)
+    assert lib.has_layer_signals()
+    lib.load_layers_signaled(0x1000, None, 61, 0x3000, LAYOUT, 0x4000, True, 0x5000, 0, 4096,
+                             0x6000, 0x6100, 0xFFFFFFFF, 0x7000)
+    lib.wait_layer_signal(0x6104, 7, 0x8000)
+    (load, load_args), (wait, wait_args) = fake.calls
+    assert (load, wait) == ("kvio_load_layers_signaled", "kvio_wait_layer_signal")
+    assert _argtypes(load) == [
+        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32, ctypes.c_void_p, _native.KvioLayout,
+        ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64,
+        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint32, ctypes.c_void_p]
+    assert _argtypes(wait) == [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_void_p]
+    values = _values(load_args)
+    assert values[:4] == [0x1000, None, 61, 0x3000]
+    assert values[4].as_dict() == LAYOUT
+    assert values[5:] == [0x4000, 1, 0x5000, 0, 4096, 0x6000, 0x6100, 0xFFFFFFFF, 0x7000]
+    assert _values(wait_args) == [0x6104, 7, 0x8000]
+    for bad in (-1, 1 << 32):  # the epoch is a uint32
+        with pytest.raises(InvalidArgument, match="epoch"):
+            lib.wait_layer_signal(0x6104, bad, 0)
+    assert len(fake.calls) == 2
+    with pytest.raises(KernelError, match=r"^kvio_wait_layer_signal: an illegal memory"):
+        _native.NativeLibrary("fake.so", lib=FakeDmaLib(status=700)).wait_layer_signal(1, 1, 0)
+
+
+def test_signals_need_all_three_functions_and_a_runtime_that_can_wait() -> None:
+    unable = FakeDmaLib()
+    unable.signals = 0
+    assert not _native.NativeLibrary("fake.so", lib=unable).has_layer_signals()
+    without = _native.NativeLibrary("fake.so", lib=FakeLib())
+    assert not without.has_layer_signals()
+    with pytest.raises(BuildError, match="does not export kvio_has_layer_signals, "
+                                         "kvio_load_layers_signaled, kvio_wait_layer_signal"):
+        without.wait_layer_signal(1, 1, 0)
 
 
 def test_a_library_without_the_optional_dma_load_still_binds_and_says_so() -> None:
@@ -708,3 +752,21 @@ def test_real_library_dma_load_refuses_bad_arguments_before_any_cuda_call(
                                    ctypes.addressof(d), 2, 1, None) == 1
     # nothing to do is a success without touching the device
     assert raw.kvio_load_layer_dma(1, 0, 0, 1, layout, None, None, 0, 1, None) == 0
+
+
+def test_real_library_signaled_load_refuses_bad_arguments_before_any_cuda_call(
+        real_library: _native.NativeLibrary) -> None:
+    raw = real_library._lib
+    layout = _native.KvioLayout.from_fields(LAYOUT)
+    assert real_library.has_layer_signals() in (True, False)  # no GPU needed to ask
+    # NULL k_ptrs, no layers, negative n_tokens, NULL counters or flags, NULL indices
+    signaled = raw.kvio_load_layers_signaled
+    assert signaled(None, 0, 4, 1, layout, 1, 0, 1, 0, 64, 1, 1, 1, None) == 1
+    assert signaled(1, 0, 0, 1, layout, 1, 0, 1, 0, 64, 1, 1, 1, None) == 1
+    assert signaled(1, 0, 4, 1, layout, 1, 0, 1, 0, -1, 1, 1, 1, None) == 1
+    assert signaled(1, 0, 4, 1, layout, 1, 0, 1, 0, 64, None, 1, 1, None) == 1
+    assert signaled(1, 0, 4, 1, layout, 1, 0, 1, 0, 64, 1, None, 1, None) == 1
+    assert signaled(1, 0, 4, 1, layout, None, 0, 1, 0, 64, 1, 1, 1, None) == 1
+    bad = _native.KvioLayout.from_fields(LAYOUT, page_size=0)
+    assert signaled(1, 0, 4, 1, bad, 1, 0, 1, 0, 64, 1, 1, 1, None) == 1
+    assert raw.kvio_wait_layer_signal(None, 1, None) == 1

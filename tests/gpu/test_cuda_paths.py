@@ -168,3 +168,92 @@ def test_staged_all_layer_load_equals_the_reference_for_any_staging_budget(
                 got, want = dev.layers(kv)[layer], expected.layers(kv)[layer]
                 assert torch.equal(got.view(torch.int16), want.view(torch.int16)), \
                     (name, kv, layer)
+
+
+# ------------------------------------------------------------------ the signaled per-layer load
+
+
+def _signaled_load(kind: str, layout: str, gen: torch.Generator, stream: torch.cuda.Stream,
+                   ) -> tuple[TransferPlan, DevicePool, HostPool, DevicePool, object,
+                              torch.Tensor]:
+    """A signaled per-layer load of the 'scattered' pattern enqueued on ``stream``; returns
+    the plan, the pool, the host pool, the reference's result, the signals and the device
+    destinations."""
+    plan = _plan(Op.LOAD_LAYER, kind, layout, "cuda")
+    ref = _plan(Op.LOAD_LAYER, kind, layout, "reference")
+    h, d = _index_patterns(gen)["scattered"]
+    dev, host = _pools(kind, layout, gen)
+    expected = dev.clone()
+    for layer in range(LAYERS):
+        ref.transfer(expected, host, h, d.to(DEVICE), layer=layer)
+    torch.cuda.synchronize()
+    placed = plan.place_for(host, h, d.to(DEVICE))
+    assert placed.support.layer_signals, placed.support
+    with torch.cuda.stream(stream):
+        signals = plan.run_signaled(placed, dev, host, stream=stream)
+    return plan, dev, host, expected, signals, d.to(DEVICE)
+
+
+@pytest.mark.parametrize("kind", ["mha", "mla"])
+@pytest.mark.parametrize("layout", ["page_first", "layer_first", "page_head"])
+def test_signaled_load_equals_the_reference_and_raises_every_flag(kind: str,
+                                                                  layout: str) -> None:
+    from kvcore.native import NativeLayerSignals
+
+    gen = torch.Generator().manual_seed(2024)
+    stream = torch.cuda.Stream(DEVICE)
+    plan, dev, _, expected, signals, _ = _signaled_load(kind, layout, gen, stream)
+    assert isinstance(signals, NativeLayerSignals)
+    consumer = torch.cuda.Stream(DEVICE)
+    for layer in range(LAYERS):
+        signals.wait_layer(layer, consumer)
+    consumer.synchronize()  # returns: every flag was raised
+    stream.synchronize()
+    for kv in range(2 if kind == "mha" else 1):
+        for layer in range(LAYERS):
+            assert torch.equal(dev.layers(kv)[layer].view(torch.int16),
+                               expected.layers(kv)[layer].view(torch.int16)), (kv, layer)
+    buf = plan.instance()._signals[int(stream.cuda_stream)]
+    flags = buf.memory[buf.capacity:buf.capacity + LAYERS].cpu()
+    assert flags.tolist() == [signals.epoch] * LAYERS
+    assert not buf.memory[:buf.capacity].any()  # the counters are zero again
+
+
+def test_a_wait_on_a_layer_holds_its_stream_until_the_flag_is_raised() -> None:
+    gen = torch.Generator().manual_seed(5)
+    stream = torch.cuda.Stream(DEVICE)
+    plan, _, _, _, signals, _ = _signaled_load("mha", "layer_first", gen, stream)
+    stream.synchronize()
+    buf = plan.instance()._signals[int(stream.cuda_stream)]
+    # a wait for the next epoch, which no load has raised yet
+    future = type(signals)(plan.instance(), buf, (signals.epoch + 1) & 0xFFFFFFFF)
+    consumer = torch.cuda.Stream(DEVICE)
+    future.wait_layer(3, consumer)
+    after = torch.cuda.Event()
+    after.record(consumer)
+    torch.cuda._sleep(50_000_000)  # keep the GPU busy a while on the current stream
+    torch.cuda.current_stream(DEVICE).synchronize()
+    assert not after.query(), "the wait passed a flag that was never raised"
+    buf.memory[buf.capacity + 3].fill_(future.epoch)  # raise layer 3's flag by hand
+    torch.cuda.current_stream(DEVICE).synchronize()
+    after.synchronize()  # the consumer goes on
+    buf.memory[buf.capacity + 3].fill_(signals.epoch)
+
+
+def test_back_to_back_signaled_loads_on_one_stream_raise_growing_epochs_and_stay_exact(
+) -> None:
+    gen = torch.Generator().manual_seed(77)
+    stream = torch.cuda.Stream(DEVICE)
+    plan, dev, host, expected, first, d = _signaled_load("mla", "page_first", gen, stream)
+    h, _ = _index_patterns(torch.Generator().manual_seed(77))["scattered"]
+    placed = plan.place_for(host, h, d)
+    with torch.cuda.stream(stream):
+        second = plan.run_signaled(placed, dev, host, stream=stream)
+    assert second.epoch == first.epoch + 1
+    consumer = torch.cuda.Stream(DEVICE)
+    second.wait_layer(LAYERS - 1, consumer)
+    consumer.synchronize()
+    stream.synchronize()
+    for layer in range(LAYERS):
+        assert torch.equal(dev.layers(0)[layer].view(torch.int16),
+                           expected.layers(0)[layer].view(torch.int16)), layer

@@ -69,6 +69,13 @@ DMA_LOAD_LAYOUTS: tuple[Layout, ...] = (Layout.LAYER_FIRST, Layout.PAGE_FIRST_DI
 #: for the zero-copy kernel (docs/benchmarks/h200-2026-12-03c/).
 STAGED_LOAD = True
 
+#: per-layer loads outside the copy engine's window go as one launch for every layer, layer
+#: after layer, each raising a ready flag the consumer's stream waits on
+#: (cuStreamWaitValue32): the launch gaps between per-layer kernels cost up to 10 % of the
+#: ceiling at 2 MiB per layer, while one launch over every layer held 0.92 on the H200
+#: (the all-layer load, docs/benchmarks/h200-2026-12-03c/).
+SIGNALED_LOAD = True
+
 CAPABILITIES = Capabilities(
     name="cuda",
     version=__version__,
@@ -79,11 +86,14 @@ CAPABILITIES = Capabilities(
     # per-layer loads from layouts that keep a layer's tokens back to back go through the copy
     # engine (contiguous DMA beats SMs reading pinned memory); the rest use the direct kernel.
     # All-layer loads of contiguous host pages are staged, as write-backs are.
-    ops=native_ops(dma_load_layouts=DMA_LOAD_LAYOUTS, staged_load=STAGED_LOAD),
+    ops=native_ops(dma_load_layouts=DMA_LOAD_LAYOUTS, staged_load=STAGED_LOAD,
+                   signaled_load=SIGNALED_LOAD),
     host_memory=HostMemory.PINNED,
     device_types=frozenset({"cuda"}),
     description="NVIDIA kernels: staged batched-memcpy and direct non-temporal write-back, "
                 "zero-copy loads" + (", staged all-layer loads" if STAGED_LOAD else "")
+                + (", per-layer loads in one launch with per-layer flags"
+                   if SIGNALED_LOAD else "")
                 + (", copy-engine per-layer loads where a layer is contiguous"
                    if DMA_LOAD_LAYOUTS else ""),
 )

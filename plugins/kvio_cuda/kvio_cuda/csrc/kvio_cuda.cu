@@ -1,6 +1,6 @@
 // kvio_cuda: NVIDIA kernels behind the kvcore native transfer ABI (docs/native-abi.md).
 //
-// Two entry points move KV-cache bytes between the device pool (one tensor per layer and
+// These entry points move KV-cache bytes between the device pool (one tensor per layer and
 // per K/V) and a host buffer described by the strides of a kvio_layout:
 //
 //   kvio_transfer_direct    one generic strided copy kernel, either direction, any layout,
@@ -13,6 +13,9 @@
 //                           one per-layer load: may read the host before the previous layer's
 //                           kernel has finished (see copy_body).
 //   kvio_load_layer_dma     (optional) one layer by the copy engine, runs of consecutive slots.
+//   kvio_load_layers_signaled  (optional) a per-layer load of every layer in one grid, layer
+//                           after layer, each layer publishing a ready flag;
+//                           kvio_wait_layer_signal makes a stream wait for one flag.
 //
 // The geometry comes from Python (kvcore.layout); the kernels never derive it. Everything
 // here returns a cudaError_t as int (0 = success) and checks every runtime call.
@@ -230,9 +233,11 @@ __device__ __forceinline__ IdxT pick(int32_t pos, IdxT i0, IdxT i1, IdxT i2) {
     return pos == 0 ? i0 : (pos == 1 ? i1 : i2);
 }
 
-// Host and device addresses of flat vector g (g < p.total).
+// Host and device addresses of flat vector g (g < p.total); the flat work's layers start at
+// layer_begin.
 template <int VEC, typename IdxT>
-__device__ __forceinline__ void locate(const CopyParams& p, IdxT g, char*& host, char*& dev) {
+__device__ __forceinline__ void locate(const CopyParams& p, IdxT g, int64_t layer_begin,
+                                       char*& host, char*& dev) {
     const IdxT nvec = static_cast<IdxT>(p.nvec);
     const IdxT s0 = static_cast<IdxT>(p.size[0]);
     const IdxT s1 = static_cast<IdxT>(p.size[1]);
@@ -260,7 +265,7 @@ __device__ __forceinline__ void locate(const CopyParams& p, IdxT g, char*& host,
         page = h / p.page_size;
         in_page = h - page * p.page_size;
     }
-    const int64_t layer = static_cast<int64_t>(p.layer_begin) + static_cast<int64_t>(l);
+    const int64_t layer = layer_begin + static_cast<int64_t>(l);
     const int64_t vec_off = static_cast<int64_t>(v) * VEC;
     const int64_t chunk = static_cast<int64_t>(c);
 
@@ -283,14 +288,66 @@ __device__ __forceinline__ void dependency_wait_then_release() {
 #endif
 }
 
-// The copy kernel body. Each block walks tiles of kTile consecutive flat vectors
-// (grid-stride); in a tile, thread x handles vectors x, x + kThreads, ... so that every
-// load/store instruction of a warp covers 32 consecutive vectors. All loads of a thread are
-// issued before its stores to keep kUnroll * VEC bytes per thread in flight.
+// One tile of a copy: kTile consecutive flat vectors from `base`, thread x handling vectors
+// x, x + kThreads, ... so that every load/store instruction of a warp covers 32 consecutive
+// vectors. All loads of a thread are issued (load) before its stores (store) to keep
+// kUnroll * VEC bytes per thread in flight.
 //
 // Host strides and host_base are folded into VEC at launch; the device layer pointers are
 // only known here, so a vector whose addresses are not VEC-aligned is copied byte by byte
 // (correct for any pointer, fast only when aligned).
+template <int DIR, int VEC, typename IdxT>
+struct Tile {
+    const char* src[kUnroll];
+    char* dst[kUnroll];
+    int state[kUnroll];  // 0: out of range, 1: aligned vector, 2: misaligned
+    Vec<VEC> val[kUnroll];
+
+    __device__ __forceinline__ void load(const CopyParams& p, IdxT base, IdxT total,
+                                         int64_t layer_begin) {
+#pragma unroll
+        for (int k = 0; k < kUnroll; ++k) {
+            const IdxT g = base + static_cast<IdxT>(k * kThreads) + static_cast<IdxT>(threadIdx.x);
+            state[k] = 0;
+            src[k] = nullptr;
+            dst[k] = nullptr;
+            if (g < total) {
+                char* host;
+                char* dev;
+                locate<VEC, IdxT>(p, g, layer_begin, host, dev);
+                src[k] = DIR == kDeviceToHost ? dev : host;
+                dst[k] = DIR == kDeviceToHost ? host : dev;
+                const uintptr_t bits =
+                    reinterpret_cast<uintptr_t>(host) | reinterpret_cast<uintptr_t>(dev);
+                state[k] = (bits & (VEC - 1)) == 0 ? 1 : 2;
+            }
+        }
+#pragma unroll
+        for (int k = 0; k < kUnroll; ++k) {
+            if (state[k] == 1) {
+                val[k].load(src[k]);
+            }
+        }
+    }
+
+    __device__ __forceinline__ void store() const {
+#pragma unroll
+        for (int k = 0; k < kUnroll; ++k) {
+            if (state[k] == 1) {
+                store_dst<DIR, VEC>(dst[k], val[k]);
+            } else if (VEC > 1 && state[k] == 2) {
+#pragma unroll 1
+                for (int b = 0; b < VEC; ++b) {
+                    Vec<1> one;
+                    one.load(src[k] + b);
+                    store_dst<DIR, 1>(dst[k] + b, one);
+                }
+            }
+        }
+    }
+};
+
+// The copy kernel body: each block walks tiles of the flat work (grid-stride).
 //
 // EARLY (the chained per-layer load, kvio_transfer_direct_chained): each block issues the
 // loads of its first tile BEFORE the dependency wait and stores only after it. The caller
@@ -308,53 +365,62 @@ __device__ __forceinline__ void copy_body(const CopyParams& p) {
     const IdxT tile = static_cast<IdxT>(kTile);
     for (IdxT base = static_cast<IdxT>(blockIdx.x) * tile; base < total;
          base += static_cast<IdxT>(gridDim.x) * tile) {
-        const char* src[kUnroll];
-        char* dst[kUnroll];
-        int state[kUnroll];  // 0: out of range, 1: aligned vector, 2: misaligned
-        Vec<VEC> val[kUnroll];
-#pragma unroll
-        for (int k = 0; k < kUnroll; ++k) {
-            const IdxT g = base + static_cast<IdxT>(k * kThreads) + static_cast<IdxT>(threadIdx.x);
-            state[k] = 0;
-            src[k] = nullptr;
-            dst[k] = nullptr;
-            if (g < total) {
-                char* host;
-                char* dev;
-                locate<VEC, IdxT>(p, g, host, dev);
-                src[k] = DIR == kDeviceToHost ? dev : host;
-                dst[k] = DIR == kDeviceToHost ? host : dev;
-                const uintptr_t bits =
-                    reinterpret_cast<uintptr_t>(host) | reinterpret_cast<uintptr_t>(dev);
-                state[k] = (bits & (VEC - 1)) == 0 ? 1 : 2;
-            }
-        }
-#pragma unroll
-        for (int k = 0; k < kUnroll; ++k) {
-            if (state[k] == 1) {
-                val[k].load(src[k]);
-            }
-        }
+        Tile<DIR, VEC, IdxT> t;
+        t.load(p, base, total, p.layer_begin);
         if (EARLY && !waited) {
             dependency_wait_then_release();
             waited = true;
         }
-#pragma unroll
-        for (int k = 0; k < kUnroll; ++k) {
-            if (state[k] == 1) {
-                store_dst<DIR, VEC>(dst[k], val[k]);
-            } else if (VEC > 1 && state[k] == 2) {
-#pragma unroll 1
-                for (int b = 0; b < VEC; ++b) {
-                    Vec<1> one;
-                    one.load(src[k] + b);
-                    store_dst<DIR, 1>(dst[k] + b, one);
-                }
-            }
-        }
+        t.store();
     }
     if (EARLY && !waited) {  // a block without a tile still orders its dependents
         dependency_wait_then_release();
+    }
+}
+
+__device__ __forceinline__ void fence_acq_rel_gpu() {
+    asm volatile("fence.acq_rel.gpu;" ::: "memory");
+}
+
+// Signals of one signaled load: per layer a tile counter (zero between calls) and a ready
+// flag that is set to `epoch` once every tile of the layer is in the pool.
+struct Signals {
+    uint32_t* counters;
+    uint32_t* flags;
+    uint32_t epoch;
+};
+
+// The signaled per-layer load (kvio_load_layers_signaled): every layer in one grid, layer
+// after layer. p describes ONE layer (its flat work is p.total vectors, layer_begin 0), so a
+// tile never spans two layers. Tiles go to blocks in order (grid-stride, the grid sized so
+// that one wave covers about one layer), so the layers land in order and layer l is ready
+// about when it would be after l + 1 separate launches, without their launch gaps. The block that
+// completes a layer's last tile publishes its flag: every thread's stores are fenced before
+// the block's count, the count is an atomic the last block reads, and the flag is stored
+// with system-scope release, so a stream waiting on it (cuStreamWaitValue32) sees the data.
+template <int VEC, typename IdxT>
+__device__ __forceinline__ void signaled_body(const CopyParams& p, int32_t num_layers,
+                                              Signals sig) {
+    const IdxT per_layer = static_cast<IdxT>(p.total);
+    const uint64_t tiles_per_layer = (p.total + kTile - 1) / kTile;
+    const uint64_t tiles = tiles_per_layer * static_cast<uint64_t>(num_layers);
+    for (uint64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
+        const uint64_t layer = t / tiles_per_layer;
+        const IdxT base = static_cast<IdxT>((t - layer * tiles_per_layer) * kTile);
+        Tile<kHostToDevice, VEC, IdxT> tile;
+        tile.load(p, base, per_layer, static_cast<int64_t>(layer));
+        tile.store();
+        fence_acq_rel_gpu();  // this thread's stores before the block's count
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            if (atomicAdd(sig.counters + layer, 1u) + 1 == tiles_per_layer) {
+                fence_acq_rel_gpu();  // every other block's stores (and counts) before the flag
+                sig.counters[layer] = 0;  // ready for the next call on this stream
+                asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(sig.flags + layer),
+                             "r"(sig.epoch)
+                             : "memory");
+            }
+        }
     }
 }
 
@@ -394,6 +460,33 @@ KVIO_COPY_KERNEL(kvio_copy_h2d_v1_i64, kHostToDevice, 1, uint64_t)
 KVIO_COPY_KERNEL_EX(kvio_copy_h2d_v16_i32_early, kHostToDevice, 16, uint32_t, true)
 KVIO_COPY_KERNEL_EX(kvio_copy_h2d_v16_i64_early, kHostToDevice, 16, uint64_t, true)
 
+// signaled: the per-layer load of every layer in one grid, with per-layer ready flags. The
+// 64-bit variants (layers of 2^31 vectors and more) get twice the registers: with 64 they
+// spill.
+#define KVIO_SIGNALED_KERNEL(NAME, VEC, IDXT, BLOCKS_PER_SM)                          \
+    extern "C" __global__ void __launch_bounds__(kThreads, BLOCKS_PER_SM)             \
+        NAME(const CopyParams p, int32_t num_layers, Signals sig) {                   \
+        signaled_body<VEC, IDXT>(p, num_layers, sig);                                 \
+    }
+constexpr int kWideBlocksPerSm = kBlocksPerSm > 1 ? kBlocksPerSm / 2 : 1;
+KVIO_SIGNALED_KERNEL(kvio_signaled_h2d_v16_i32, 16, uint32_t, kBlocksPerSm)
+KVIO_SIGNALED_KERNEL(kvio_signaled_h2d_v16_i64, 16, uint64_t, kWideBlocksPerSm)
+KVIO_SIGNALED_KERNEL(kvio_signaled_h2d_v8_i32, 8, uint32_t, kBlocksPerSm)
+KVIO_SIGNALED_KERNEL(kvio_signaled_h2d_v8_i64, 8, uint64_t, kWideBlocksPerSm)
+KVIO_SIGNALED_KERNEL(kvio_signaled_h2d_v4_i32, 4, uint32_t, kBlocksPerSm)
+KVIO_SIGNALED_KERNEL(kvio_signaled_h2d_v4_i64, 4, uint64_t, kWideBlocksPerSm)
+KVIO_SIGNALED_KERNEL(kvio_signaled_h2d_v2_i32, 2, uint32_t, kBlocksPerSm)
+KVIO_SIGNALED_KERNEL(kvio_signaled_h2d_v2_i64, 2, uint64_t, kWideBlocksPerSm)
+KVIO_SIGNALED_KERNEL(kvio_signaled_h2d_v1_i32, 1, uint32_t, kBlocksPerSm)
+KVIO_SIGNALED_KERNEL(kvio_signaled_h2d_v1_i64, 1, uint64_t, kWideBlocksPerSm)
+// sets flags[0, n) to epoch (a signaled load with no tokens: every layer is ready at once)
+extern "C" __global__ void kvio_set_flags(uint32_t* flags, int32_t n, uint32_t epoch) {
+    for (int32_t i = static_cast<int32_t>(threadIdx.x); i < n; i += blockDim.x) {
+        asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(flags + i), "r"(epoch)
+                     : "memory");
+    }
+}
+
 namespace {
 
 using CopyKernel = void (*)(const CopyParams);
@@ -415,6 +508,17 @@ const CopyKernel kCopyKernels[2][5][2] = {
 // [flat index is 64-bit]
 const CopyKernel kEarlyLoadKernels[2] = {kvio_copy_h2d_v16_i32_early,
                                          kvio_copy_h2d_v16_i64_early};
+
+using SignaledKernel = void (*)(const CopyParams, int32_t, Signals);
+
+// [log2(VEC)][flat index of one layer is 64-bit]
+const SignaledKernel kSignaledKernels[5][2] = {
+    {kvio_signaled_h2d_v1_i32, kvio_signaled_h2d_v1_i64},
+    {kvio_signaled_h2d_v2_i32, kvio_signaled_h2d_v2_i64},
+    {kvio_signaled_h2d_v4_i32, kvio_signaled_h2d_v4_i64},
+    {kvio_signaled_h2d_v8_i32, kvio_signaled_h2d_v8_i64},
+    {kvio_signaled_h2d_v16_i32, kvio_signaled_h2d_v16_i64},
+};
 
 // ---------------------------------------------------------------------------------------
 // Host helpers
@@ -614,6 +718,36 @@ bool batch_refused(cudaError_t err) {
 }
 #endif
 
+// -------- cuStreamWaitValue32, resolved at run time through the runtime's driver entry points
+
+// CUresult cuStreamWaitValue32(CUstream, CUdeviceptr, cuuint32_t, unsigned int)
+typedef int (*WaitValue32Fn)(cudaStream_t, unsigned long long, unsigned int, unsigned int);
+constexpr unsigned kWaitValueGeq = 0;  // CU_STREAM_WAIT_VALUE_GEQ: (int32_t)(*addr - v) >= 0
+std::once_flag g_wait_once;
+WaitValue32Fn g_wait_fn = nullptr;
+
+void resolve_wait() {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+#if CUDART_VERSION >= 12050
+    const cudaError_t err = cudaGetDriverEntryPointByVersion("cuStreamWaitValue32", &fn, 12000,
+                                                             cudaEnableDefault, &found);
+#else
+    const cudaError_t err =
+        cudaGetDriverEntryPoint("cuStreamWaitValue32", &fn, cudaEnableDefault, &found);
+#endif
+    if (err != cudaSuccess || found != cudaDriverEntryPointSuccess) {
+        (void)cudaGetLastError();
+        return;
+    }
+    g_wait_fn = reinterpret_cast<WaitValue32Fn>(fn);
+}
+
+WaitValue32Fn wait_fn() {
+    std::call_once(g_wait_once, resolve_wait);
+    return g_wait_fn;
+}
+
 // Largest power of two <= 16 dividing x (x == 0 divides everything).
 int vector_width(uint64_t x) {
     int vec = 16;
@@ -650,12 +784,10 @@ bool mul_ok(uint64_t a, uint64_t b, uint64_t* out) {
     return true;
 }
 
-// Fills the work decomposition and launches the copy kernel on `stream` (whose device must
-// be current). layer_count, n_tokens > 0. `chained`: the caller's guarantee of
-// kvio_transfer_direct_chained, which lets a 16-byte load use its EARLY kernel.
-cudaError_t launch_copy(int direction, CopyParams p, int num_kv, int64_t n_tokens,
-                        int32_t layer_count, int64_t num_chunks, int device, bool chained,
-                        cudaStream_t stream) {
+// Fills the work decomposition of p (vector width, dimension order, flat size) and returns
+// the vector width in *vec. layer_count, n_tokens > 0; p.total == 0 when there is no work.
+cudaError_t plan_copy(CopyParams& p, int num_kv, int64_t n_tokens, int32_t layer_count,
+                      int64_t num_chunks, int* vec_out) {
     // Vector width from every host-known quantity that offsets an address.
     uint64_t bits = static_cast<uint64_t>(p.chunk_bytes) |
                     static_cast<uint64_t>(p.token_stride) |
@@ -703,20 +835,45 @@ cudaError_t launch_copy(int direction, CopyParams p, int num_kv, int64_t n_token
         return cudaErrorInvalidValue;
     }
     p.total = total;
-    if (total == 0) {
-        return cudaSuccess;
-    }
-    // 32-bit flat indices while base + tile + grid stride cannot wrap.
-    const bool wide = total > (uint64_t(1) << 31);
+    *vec_out = vec;
+    return cudaSuccess;
+}
 
+// 32-bit flat indices while base + tile + grid stride cannot wrap.
+bool needs_wide_index(uint64_t total) { return total > (uint64_t(1) << 31); }
+
+// Blocks of a grid over `tiles` tiles: one per tile, at most kBlocksPerSm per SM.
+cudaError_t grid_size(int device, uint64_t tiles, unsigned* out) {
     DeviceInfo info;
     KVIO_CHECK(device_info(device, &info));
-    const uint64_t tiles = (total + kTile - 1) / kTile;
     const uint64_t max_blocks = static_cast<uint64_t>(info.sms) * kBlocksPerSm;
-    const unsigned grid = static_cast<unsigned>(tiles < max_blocks ? tiles : max_blocks);
+    *out = static_cast<unsigned>(tiles < max_blocks ? tiles : max_blocks);
+    return cudaSuccess;
+}
 
-    int vec_log2 = 0;
-    while ((1 << vec_log2) != vec) ++vec_log2;
+int log2_of(int power_of_two) {
+    int s = 0;
+    while ((1 << s) != power_of_two) ++s;
+    return s;
+}
+
+// Plans and launches the copy kernel on `stream` (whose device must be current).
+// layer_count, n_tokens > 0. `chained`: the caller's guarantee of
+// kvio_transfer_direct_chained, which lets a 16-byte load use its EARLY kernel.
+cudaError_t launch_copy(int direction, CopyParams p, int num_kv, int64_t n_tokens,
+                        int32_t layer_count, int64_t num_chunks, int device, bool chained,
+                        cudaStream_t stream) {
+    int vec = 0;
+    KVIO_CHECK(plan_copy(p, num_kv, n_tokens, layer_count, num_chunks, &vec));
+    if (p.total == 0) {
+        return cudaSuccess;
+    }
+    const bool wide = needs_wide_index(p.total);
+    DeviceInfo info;
+    KVIO_CHECK(device_info(device, &info));
+    unsigned grid = 0;
+    KVIO_CHECK(grid_size(device, (p.total + kTile - 1) / kTile, &grid));
+    const int vec_log2 = log2_of(vec);
     const bool early = chained && direction == kHostToDevice && vec == 16;
     const CopyKernel kernel = early ? kEarlyLoadKernels[wide ? 1 : 0]
                                     : kCopyKernels[direction][vec_log2][wide ? 1 : 0];
@@ -1007,6 +1164,57 @@ cudaError_t transfer_direct(int direction, const uint64_t* k_ptrs, const uint64_
     const int num_kv = v_ptrs != nullptr ? 2 : 1;
     return launch_copy(direction, p, num_kv, n_tokens, layer_count, layout.num_chunks,
                        guard.device(), chained, s);
+}
+
+// The signaled per-layer load: all layers in one grid, layer by layer (signaled_body), on
+// `stream`. counters and flags are device arrays of num_layers each; the counters must be
+// zero (they are left zero), flags[l] becomes `epoch` when layer l has landed.
+cudaError_t load_layers_signaled(const uint64_t* k_ptrs, const uint64_t* v_ptrs,
+                                 int32_t num_layers, void* host_base,
+                                 const kvio_layout& layout, const void* host_idx,
+                                 int host_idx_64, const void* dev_idx, int dev_idx_64,
+                                 int64_t n_tokens, uint32_t* counters, uint32_t* flags,
+                                 uint32_t epoch, void* stream) {
+    if (k_ptrs == nullptr || host_base == nullptr || num_layers <= 0 || n_tokens < 0 ||
+        counters == nullptr || flags == nullptr || !layout_ok(layout)) {
+        return cudaErrorInvalidValue;
+    }
+    if (n_tokens > 0 && (host_idx == nullptr || dev_idx == nullptr)) {
+        return cudaErrorInvalidValue;
+    }
+    cudaStream_t s = static_cast<cudaStream_t>(stream);
+    DeviceGuard guard;
+    KVIO_CHECK(guard.enter(s));
+    if (n_tokens == 0) {  // nothing to move: the layers are ready once the stream gets here
+        kvio_set_flags<<<1, kThreads, 0, s>>>(flags, num_layers, epoch);
+        return cudaGetLastError();
+    }
+    CopyParams p = base_params(k_ptrs, v_ptrs, host_base, layout);
+    p.host_idx = host_idx;
+    p.host_idx_64 = host_idx_64 ? 1 : 0;
+    p.dev_idx = dev_idx;
+    p.dev_idx_64 = dev_idx_64 ? 1 : 0;
+    const int num_kv = v_ptrs != nullptr ? 2 : 1;
+    int vec = 0;
+    KVIO_CHECK(plan_copy(p, num_kv, n_tokens, 1, layout.num_chunks, &vec));
+    const uint64_t tiles_per_layer = (p.total + kTile - 1) / kTile;
+    uint64_t tiles = 0;
+    if (!mul_ok(tiles_per_layer, static_cast<uint64_t>(num_layers), &tiles) ||
+        tiles_per_layer > UINT32_MAX) {  // the counters are 32-bit
+        return cudaErrorInvalidValue;
+    }
+    // About one layer per wave of blocks, so that the layers land one after the other
+    // (a full grid would spread its first wave over several layers).
+    DeviceInfo info;
+    KVIO_CHECK(device_info(guard.device(), &info));
+    const uint64_t wave = tiles_per_layer > static_cast<uint64_t>(info.sms)
+                              ? tiles_per_layer : static_cast<uint64_t>(info.sms);
+    unsigned grid = 0;
+    KVIO_CHECK(grid_size(guard.device(), tiles < wave ? tiles : wave, &grid));
+    const Signals sig = {counters, flags, epoch};
+    const SignaledKernel kernel = kSignaledKernels[log2_of(vec)][needs_wide_index(p.total)];
+    kernel<<<grid, kThreads, 0, s>>>(p, num_layers, sig);
+    return cudaGetLastError();
 }
 
 // The staged transfer of all layers of whole pages, either direction. Write-back: a device
@@ -1319,4 +1527,36 @@ KVIO_API int kvio_load_layer_dma(void* k_dst, void* v_dst, int32_t layer, void* 
     return finish(load_layer_dma(static_cast<char*>(k_dst), static_cast<char*>(v_dst), layer,
                                  host_base, layout, host_idx_cpu, dev_idx_cpu, n_tokens,
                                  use_batched, stream));
+}
+
+KVIO_API int kvio_has_layer_signals(void) { return wait_fn() != nullptr ? 1 : 0; }
+
+KVIO_API int kvio_load_layers_signaled(const uint64_t* k_ptrs, const uint64_t* v_ptrs,
+                                       int32_t num_layers, void* host_base, kvio_layout layout,
+                                       const void* host_idx, int host_idx_64,
+                                       const void* dev_idx, int dev_idx_64, int64_t n_tokens,
+                                       uint32_t* counters, uint32_t* flags, uint32_t epoch,
+                                       void* stream) {
+    return finish(load_layers_signaled(k_ptrs, v_ptrs, num_layers, host_base, layout,
+                                       host_idx, host_idx_64, dev_idx, dev_idx_64, n_tokens,
+                                       counters, flags, epoch, stream));
+}
+
+KVIO_API int kvio_wait_layer_signal(const uint32_t* flag, uint32_t epoch, void* stream) {
+    if (flag == nullptr) {
+        return cudaErrorInvalidValue;
+    }
+    const WaitValue32Fn fn = wait_fn();
+    if (fn == nullptr) {
+        return cudaErrorNotSupported;
+    }
+    cudaStream_t s = static_cast<cudaStream_t>(stream);
+    DeviceGuard guard;
+    const cudaError_t entered = guard.enter(s);
+    if (entered != cudaSuccess) {
+        return finish(entered);
+    }
+    // CUresult and cudaError_t share their codes for everything this call can return
+    return fn(s, static_cast<unsigned long long>(reinterpret_cast<uintptr_t>(flag)), epoch,
+              kWaitValueGeq);
 }

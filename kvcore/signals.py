@@ -1,0 +1,47 @@
+"""Per-layer readiness of a per-layer load that a backend submitted as one job.
+
+A LOAD_LAYER variant declared with ``layer_signals`` (see
+:class:`~kvcore.capabilities.OpSupport`) receives one job for all layers (``layer`` None)
+instead of one job per layer, and returns a :class:`LayerSignals`. The controller's
+:meth:`~kvcore.handles.LoadHandle.wait_layer` then orders the caller's stream after one layer
+through it, so a consumer of layer ``i`` still waits for layer ``i`` alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol, runtime_checkable
+
+
+@runtime_checkable
+class LayerSignals(Protocol):
+    """What a ``layer_signals`` variant returns for a job that moves every layer."""
+
+    def wait_layer(self, layer: int, stream: Any) -> None:
+        """Make ``stream`` wait until layer ``layer`` has landed in the device pool.
+
+        Enqueues the wait and returns at once; work enqueued on ``stream`` afterwards sees the
+        layer's data complete. ``layer`` is in range (the caller checks).
+        """
+        ...
+
+    def check(self) -> None:
+        """Raise if the transfer failed (as :class:`~kvcore.backend.Completion`)."""
+        ...
+
+
+class EventLayerSignals:
+    """LayerSignals from one stream event per layer, recorded after each layer's work: what a
+    backend returns when it issued the layers one by one after all. A None event (a device
+    without streams, where the layer has already run) needs no wait."""
+
+    def __init__(self, events: Sequence[Any]) -> None:
+        self._events = list(events)
+
+    def wait_layer(self, layer: int, stream: Any) -> None:
+        event = self._events[layer]
+        if event is not None:
+            stream.wait_event(event)
+
+    def check(self) -> None:
+        return None

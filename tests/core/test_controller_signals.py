@@ -1,0 +1,170 @@
+"""A per-layer load submitted as one job (a ``layer_signals`` variant) through the controller.
+
+On the CPU there are no streams, so the layers have run once ``load`` returns; these tests
+check what the controller submits and how a handle uses the signals. The GPU tests check the
+stream-side waits of kvio_cuda's signaled load (tests/gpu).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import pytest
+import torch
+from kvio_reference.backend import ReferenceBackend
+
+from kvcore.capabilities import BackendSpec
+from kvcore.controller import HiCacheController
+from kvcore.errors import ContractViolation, TransferFailed
+from kvcore.handles import LoadHandle
+from kvcore.layout import Kind, Layout, Op
+from kvcore.registry import Registry
+from kvcore.verify import random_fill
+
+from .helpers import make_pools, reference_only
+
+LAYERS, PAGE = 3, 4
+
+
+class Signals:
+    def __init__(self) -> None:
+        self.waits: list[tuple[int, Any]] = []
+        self.checks = 0
+
+    def wait_layer(self, layer: int, stream: Any) -> None:
+        self.waits.append((layer, stream))
+
+    def check(self) -> None:
+        self.checks += 1
+
+
+class SignaledReference:
+    """The reference, answering a job for every layer with Signals; remembers the jobs."""
+
+    def __init__(self, device: torch.device, forget: bool = False) -> None:
+        self.inner = ReferenceBackend(device)
+        self.jobs: list[Any] = []
+        self.forget = forget
+
+    def allocate_host(self, shape: tuple[int, ...], dtype: torch.dtype) -> Any:
+        return self.inner.allocate_host(shape, dtype)
+
+    def run(self, job: Any) -> Signals | None:
+        self.jobs.append(job)
+        self.inner.run(job)
+        if job.layer is None and job.op is Op.LOAD_LAYER and not self.forget:
+            return Signals()
+        return None
+
+
+def _registry(forget: bool = False) -> tuple[Registry, list[SignaledReference]]:
+    registry = reference_only()
+    ref = registry.get("reference").spec.capabilities
+    ops = tuple(attrs.evolve(s, layer_signals=True) if s.op is Op.LOAD_LAYER else s
+                for s in ref.ops)
+    instances: list[SignaledReference] = []
+
+    def factory(device: torch.device) -> SignaledReference:
+        instances.append(SignaledReference(device, forget))
+        return instances[-1]
+
+    registry.register(BackendSpec(
+        capabilities=attrs.evolve(ref, name="signaled", ops=ops, priority=50),
+        factory=factory))
+    return registry, instances
+
+
+def _pools(registry: Registry) -> tuple[Any, Any]:
+    dev, host = make_pools(Kind.MHA, Layout.LAYER_FIRST, num_layers=LAYERS, host_pages=8,
+                           device_size=16 * PAGE, head_num=2, head_dim=8, page_size=PAGE,
+                           dtype=torch.bfloat16, registry=registry)
+    gen = torch.Generator().manual_seed(7)
+    for t in dev.all_buffers():
+        random_fill(t, gen)
+    return dev, host
+
+
+def _pages(first: int, count: int) -> torch.Tensor:
+    return (torch.arange(first, first + count)[:, None] * PAGE + torch.arange(PAGE)).flatten()
+
+
+def test_a_single_pool_load_is_one_job_for_every_layer_and_lands_exactly() -> None:
+    registry, instances = _registry()
+    dev, host = _pools(registry)
+    ctl = HiCacheController(dev, host, registry=registry)
+    src = _pages(2, 3)
+    ack = ctl.write(src)
+    ctl.wait_acks()
+    dst = _pages(9, 3)
+    jobs = instances[0].jobs
+    del jobs[:]
+    handle = ctl.load(ack.host_indices, dst)
+    assert [(j.op, j.layer) for j in jobs] == [(Op.LOAD_LAYER, None)]
+    for layer in range(LAYERS):
+        handle.wait_layer(layer)
+    handle.wait()
+    for kv in range(2):
+        for layer in range(LAYERS):
+            t = dev.layers(kv)[layer]
+            assert torch.equal(t[dst].view(torch.int16), t[src].view(torch.int16))
+
+
+def test_a_pool_group_keeps_one_job_per_layer_and_member() -> None:
+    registry, instances = _registry()
+    dev, host = _pools(registry)
+    dev2, host2 = _pools(registry)
+    ctl = HiCacheController(dev, host, registry=registry, members=[(dev2, host2)])
+    ack = ctl.write(_pages(0, 2))
+    ctl.wait_acks()
+    for inst in instances:
+        del inst.jobs[:]
+    ctl.load(ack.host_indices, _pages(10, 2)).wait()
+    layers = sorted(j.layer for inst in instances for j in inst.jobs)
+    assert layers == sorted(list(range(LAYERS)) * 2)  # one member's job would hold the next's
+
+
+def test_a_variant_that_forgets_its_signals_fails_the_load_with_the_cause() -> None:
+    registry, _ = _registry(forget=True)
+    dev, host = _pools(registry)
+    ctl = HiCacheController(dev, host, registry=registry)
+    ack = ctl.write(_pages(0, 1))
+    ctl.wait_acks()
+    with pytest.raises(TransferFailed, match=r"ContractViolation.*declares layer_signals") as err:
+        ctl.load(ack.host_indices, _pages(12, 1))
+    assert isinstance(err.value.cause, ContractViolation)
+
+
+class Event:
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+
+def test_a_handle_with_signals_waits_on_the_layers_own_signal_and_checks_it_once() -> None:
+    signals, failures = Signals(), []
+    event = Event()
+    handle = LoadHandle([event] * LAYERS, [[signals]] * LAYERS, torch.device("cpu"),
+                        failures.append, signals)
+    handle.wait_layer(2)
+    handle.wait_layer(0)
+    assert signals.waits == [(2, None), (0, None)]  # the CPU's current stream is None
+    assert handle.done()
+    assert signals.checks == LAYERS and failures == []
+
+
+def test_a_failed_signaled_load_fails_every_later_wait() -> None:
+    class Failing(Signals):
+        def check(self) -> None:
+            raise RuntimeError("device said no")
+
+    signals, failures = Failing(), []
+    handle = LoadHandle([Event()] * LAYERS, [[signals]] * LAYERS, torch.device("cpu"),
+                        failures.append, signals)
+    with pytest.raises(TransferFailed, match="device said no"):
+        handle.wait()
+    with pytest.raises(TransferFailed):
+        handle.wait_layer(0)
+    assert len(failures) == 1
