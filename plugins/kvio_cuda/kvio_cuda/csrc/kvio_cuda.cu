@@ -392,29 +392,31 @@ struct Signals {
 
 // The signaled per-layer load (kvio_load_layers_signaled): every layer in one grid, layer
 // after layer. p describes ONE layer (its flat work is p.total vectors, layer_begin 0), so a
-// tile never spans two layers. Tiles go to blocks in order (grid-stride, the grid sized so
-// that one wave covers about one layer), so the layers land in order and layer l is ready
-// about when it would be after l + 1 separate launches, without their launch gaps. The block that
-// completes a layer's last tile publishes its flag: every thread's stores are fenced before
-// the block's count, the count is an atomic the last block reads, and the flag is stored
-// with system-scope release, so a stream waiting on it (cuStreamWaitValue32) sees the data.
+// tile never spans two layers. Tiles go to blocks in order (grid-stride), so the layers land
+// in order, a wave of the grid at a time, without the launch gaps of one kernel per layer.
+// Each warp counts its part of a tile once its stores are fenced (no block barrier: the warps
+// of a block run on independently, as in copy_body); the warp whose count completes the
+// layer publishes its flag with system-scope release, so a stream waiting on the flag
+// (cuStreamWaitValue32) sees the layer's data.
 template <int VEC, typename IdxT>
 __device__ __forceinline__ void signaled_body(const CopyParams& p, int32_t num_layers,
                                               Signals sig) {
+    constexpr uint32_t kWarps = kThreads / 32;
     const IdxT per_layer = static_cast<IdxT>(p.total);
     const uint64_t tiles_per_layer = (p.total + kTile - 1) / kTile;
     const uint64_t tiles = tiles_per_layer * static_cast<uint64_t>(num_layers);
+    const uint32_t counts_per_layer = static_cast<uint32_t>(tiles_per_layer) * kWarps;
     for (uint64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
         const uint64_t layer = t / tiles_per_layer;
         const IdxT base = static_cast<IdxT>((t - layer * tiles_per_layer) * kTile);
         Tile<kHostToDevice, VEC, IdxT> tile;
         tile.load(p, base, per_layer, static_cast<int64_t>(layer));
         tile.store();
-        fence_acq_rel_gpu();  // this thread's stores before the block's count
-        __syncthreads();
-        if (threadIdx.x == 0) {
-            if (atomicAdd(sig.counters + layer, 1u) + 1 == tiles_per_layer) {
-                fence_acq_rel_gpu();  // every other block's stores (and counts) before the flag
+        fence_acq_rel_gpu();  // this thread's stores before the warp's count
+        __syncwarp();
+        if ((threadIdx.x & 31) == 0) {
+            if (atomicAdd(sig.counters + layer, 1u) + 1 == counts_per_layer) {
+                fence_acq_rel_gpu();  // every other warp's stores (and counts) before the flag
                 sig.counters[layer] = 0;  // ready for the next call on this stream
                 asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(sig.flags + layer),
                              "r"(sig.epoch)
@@ -1200,17 +1202,11 @@ cudaError_t load_layers_signaled(const uint64_t* k_ptrs, const uint64_t* v_ptrs,
     const uint64_t tiles_per_layer = (p.total + kTile - 1) / kTile;
     uint64_t tiles = 0;
     if (!mul_ok(tiles_per_layer, static_cast<uint64_t>(num_layers), &tiles) ||
-        tiles_per_layer > UINT32_MAX) {  // the counters are 32-bit
+        tiles_per_layer > UINT32_MAX / (kThreads / 32)) {  // 32-bit counts of warps
         return cudaErrorInvalidValue;
     }
-    // About one layer per wave of blocks, so that the layers land one after the other
-    // (a full grid would spread its first wave over several layers).
-    DeviceInfo info;
-    KVIO_CHECK(device_info(guard.device(), &info));
-    const uint64_t wave = tiles_per_layer > static_cast<uint64_t>(info.sms)
-                              ? tiles_per_layer : static_cast<uint64_t>(info.sms);
     unsigned grid = 0;
-    KVIO_CHECK(grid_size(guard.device(), tiles < wave ? tiles : wave, &grid));
+    KVIO_CHECK(grid_size(guard.device(), tiles, &grid));
     const Signals sig = {counters, flags, epoch};
     const SignaledKernel kernel = kSignaledKernels[log2_of(vec)][needs_wide_index(p.total)];
     kernel<<<grid, kThreads, 0, s>>>(p, num_layers, sig);
