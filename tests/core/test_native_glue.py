@@ -237,15 +237,16 @@ def test_the_dma_variant_is_declared_first_with_both_index_sets_on_the_cpu() -> 
     assert dma.batched_memcpy and not dma.staged
 
 
-def test_kvio_cuda_loads_64_kib_layer_slices_by_the_copy_engine_and_smaller_ones_by_kernel(
+def test_kvio_cuda_loads_128_kib_layer_slices_by_the_copy_engine_and_smaller_ones_by_kernel(
 ) -> None:
     from kvcore.layout import Layout
 
     for layout in Layout:
         plan = _kvio_cuda_plan(Op.LOAD_LAYER, layout, 1024)
         contiguous = layout in (Layout.LAYER_FIRST, Layout.PAGE_FIRST_DIRECT)
-        assert plan.select(64 << 10).variant == ("dma" if contiguous else "signaled"), layout
-        assert plan.select((64 << 10) - 16).variant == "signaled", layout
+        assert plan.select(128 << 10).variant == ("dma" if contiguous else "signaled"), layout
+        assert plan.select((128 << 10) - 16).variant == "signaled", layout
+        assert plan.select(64 << 10).variant == "signaled", layout
         assert plan.select(32 << 10).variant == "signaled", layout
 
 

@@ -226,25 +226,23 @@ def test_a_wait_on_a_layer_holds_its_stream_until_the_flag_is_raised() -> None:
     plan, _, _, _, signals, _ = _signaled_load("mha", "layer_first", gen, stream)
     stream.synchronize()
     buf = plan.instance()._signals[int(stream.cuda_stream)]
-    # a wait for the next epoch, which no load has raised yet
+    # a wait for the next epoch, whose flag a slow writer enqueued BEFORE the wait raises by
+    # hand (as a load does): a wait blocks its hardware queue, which other streams may share,
+    # so the work that raises a flag must be enqueued before any wait on it
     future = type(signals)(plan.instance(), buf, (signals.epoch + 1) & 0xFFFFFFFF)
-    # only streams of their own: work on the legacy default stream would wait for the
-    # blocked consumer, and the consumer for it
-    consumer, other = torch.cuda.Stream(DEVICE), torch.cuda.Stream(DEVICE)
+    writer, consumer = torch.cuda.Stream(DEVICE), torch.cuda.Stream(DEVICE)
+    with torch.cuda.stream(writer):
+        torch.cuda._sleep(100_000_000)  # about 50 ms
+        buf.memory[buf.capacity + 3].fill_(future.epoch)
     future.wait_layer(3, consumer)
     after = torch.cuda.Event()
     after.record(consumer)
-    with torch.cuda.stream(other):
-        torch.cuda._sleep(50_000_000)  # keep the GPU busy a while
-    other.synchronize()
-    assert not after.query(), "the wait passed a flag that was never raised"
-    with torch.cuda.stream(other):
-        buf.memory[buf.capacity + 3].fill_(future.epoch)  # raise layer 3's flag by hand
-    other.synchronize()
-    after.synchronize()  # the consumer goes on
-    with torch.cuda.stream(other):
+    assert not after.query(), "the wait passed a flag that was not raised yet"
+    after.synchronize()  # the consumer goes on once the writer raised it
+    assert writer.query()
+    with torch.cuda.stream(writer):
         buf.memory[buf.capacity + 3].fill_(signals.epoch)
-    other.synchronize()
+    writer.synchronize()
 
 
 def test_back_to_back_signaled_loads_on_one_stream_raise_growing_epochs_and_stay_exact(

@@ -57,11 +57,15 @@ def check_availability() -> Availability:
 
 
 #: host layouts whose per-layer loads use the copy engine (the ``dma`` variant) for page
-#: slices of 64 KiB and more: layer_first and page_first_direct keep a page's layer slice
-#: contiguous. On the H200 it reaches 0.94-0.99 of the ceiling there against 0.87-0.92 for the
-#: zero-copy kernel, and loses below 64 KiB, where the CPU cost of one copy per slice outlasts
-#: the copies (scripts/probe_dma_load.py, docs/benchmarks/h200-2026-12-03b/).
+#: slices of DMA_MIN_SLICE_BYTES and more: layer_first and page_first_direct keep a page's
+#: layer slice contiguous. On the H200 it reaches 0.97-0.99 of the ceiling there at 128 KiB
+#: slices and more, against 0.91-0.92 for the signaled kernel.
 DMA_LOAD_LAYOUTS: tuple[Layout, ...] = (Layout.LAYER_FIRST, Layout.PAGE_FIRST_DIRECT)
+
+#: smallest page slice the copy engine gets. At 64 KiB slices it usually reaches 0.95-0.98,
+#: but single rows fell to 0.81-0.90 from run to run (CPU-bound: one copy per slice), while
+#: the signaled kernel held 0.90-0.91 there in every row (docs/benchmarks/h200-2026-12-03d/).
+DMA_MIN_SLICE_BYTES = 128 << 10
 
 #: all-layer loads of contiguous host pages (page_first, page_first_direct, page_head) go
 #: through the staged variant: copy-engine copies of whole pages into the staging buffer, then
@@ -86,8 +90,8 @@ CAPABILITIES = Capabilities(
     # per-layer loads from layouts that keep a layer's tokens back to back go through the copy
     # engine (contiguous DMA beats SMs reading pinned memory); the rest use the direct kernel.
     # All-layer loads of contiguous host pages are staged, as write-backs are.
-    ops=native_ops(dma_load_layouts=DMA_LOAD_LAYOUTS, staged_load=STAGED_LOAD,
-                   signaled_load=SIGNALED_LOAD),
+    ops=native_ops(dma_load_layouts=DMA_LOAD_LAYOUTS, dma_min_page_bytes=DMA_MIN_SLICE_BYTES,
+                   staged_load=STAGED_LOAD, signaled_load=SIGNALED_LOAD),
     host_memory=HostMemory.PINNED,
     device_types=frozenset({"cuda"}),
     description="NVIDIA kernels: staged batched-memcpy and direct non-temporal write-back, "
