@@ -47,7 +47,7 @@ from kvcore.policy import CacheEvent, WritePolicy, should_back_up
 from kvcore.pools import DevicePool, HostPool
 from kvcore.registry import Registry, default_registry, make_request
 from kvcore.signals import LayerSignals
-from kvcore.streams import current_stream, new_event, new_stream, on_stream
+from kvcore.streams import current_stream, new_stream, on_stream, recorded_event
 from kvcore.validate import check_index_tensor
 
 
@@ -341,9 +341,7 @@ class HiCacheController:
                 m = self.members[0]
                 signals = self.plans[(0, op)].run_signaled(placed[0], m.device, m.host,
                                                            stream=stream)
-                event = new_event(self.device)
-                if event is not None:
-                    event.record(stream)
+                event = recorded_event(self.device, stream)
                 return [event] * len(layers), [[signals]] * len(layers), signals
             for n, layer in enumerate(layers):
                 done = []
@@ -354,10 +352,7 @@ class HiCacheController:
                                                      chained=op is Op.LOAD_LAYER and n + i > 0)
                     if result is not None:
                         done.append(result)
-                event = new_event(self.device)
-                if event is not None:
-                    event.record(stream)
-                events.append(event)
+                events.append(recorded_event(self.device, stream))
                 completions.append(done)
         return events, completions, None
 

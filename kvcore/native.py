@@ -11,6 +11,7 @@ import threading
 from collections.abc import Callable
 from typing import Any, Protocol
 
+import attrs
 import torch
 
 from kvcore.backend import TransferJob
@@ -19,7 +20,7 @@ from kvcore.errors import InvalidArgument
 from kvcore.layout import ByteStrides, Kind, Layout, Op
 from kvcore.native_abi import KvioLayout, make_layout
 from kvcore.signals import EventLayerSignals, LayerSignals
-from kvcore.streams import current_stream, new_event
+from kvcore.streams import current_stream, recorded_event
 
 DEVICE_TO_HOST = 0
 HOST_TO_DEVICE = 1
@@ -173,16 +174,11 @@ class NativeBackend:
         num_layers = job.host_geometry.num_layers
         if self._has_signals is None:
             self._has_signals = self.lib.has_layer_signals()
-        if not self._has_signals:
+        if not self._has_signals:  # each layer's job as the plan would have issued it
             events = []
             for layer in range(num_layers):
-                self.lib.transfer_direct(HOST_TO_DEVICE, k_ptrs, v_ptrs, layer, 1, host_base,
-                                         layout, h.data_ptr(), is_64(h), d.data_ptr(),
-                                         is_64(d), h.numel(), stream, chained=layer > 0)
-                event = new_event(self.device)
-                if event is not None:
-                    event.record(job.stream)
-                events.append(event)
+                self.run(attrs.evolve(job, layer=layer, chained=layer > 0))
+                events.append(recorded_event(self.device, job.stream))
             return EventLayerSignals(events)
         with self._signal_lock:  # epochs reach the stream in the order they are handed out
             buf = self._signal_buffer(stream, num_layers)

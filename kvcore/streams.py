@@ -52,6 +52,15 @@ def new_event(device: torch.device) -> Any:
     return torch.get_device_module(device).Event() if has_streams(device) else None
 
 
+def recorded_event(device: torch.device, stream: Any) -> Any:
+    """A new event recorded on ``stream`` (None: the current stream), or None where
+    ``device`` has no streams."""
+    event = new_event(device)
+    if event is not None:
+        event.record(stream)
+    return event
+
+
 @contextlib.contextmanager
 def on_stream(stream: Any) -> Iterator[None]:
     """Make ``stream`` current for the block (a no-op for None)."""

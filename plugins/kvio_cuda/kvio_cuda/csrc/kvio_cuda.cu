@@ -845,18 +845,9 @@ cudaError_t plan_copy(CopyParams& p, int num_kv, int64_t n_tokens, int32_t layer
 bool needs_wide_index(uint64_t total) { return total > (uint64_t(1) << 31); }
 
 // Blocks of a grid over `tiles` tiles: one per tile, at most kBlocksPerSm per SM.
-cudaError_t grid_size(int device, uint64_t tiles, unsigned* out) {
-    DeviceInfo info;
-    KVIO_CHECK(device_info(device, &info));
+unsigned grid_size(const DeviceInfo& info, uint64_t tiles) {
     const uint64_t max_blocks = static_cast<uint64_t>(info.sms) * kBlocksPerSm;
-    *out = static_cast<unsigned>(tiles < max_blocks ? tiles : max_blocks);
-    return cudaSuccess;
-}
-
-int log2_of(int power_of_two) {
-    int s = 0;
-    while ((1 << s) != power_of_two) ++s;
-    return s;
+    return static_cast<unsigned>(tiles < max_blocks ? tiles : max_blocks);
 }
 
 // Plans and launches the copy kernel on `stream` (whose device must be current).
@@ -873,9 +864,8 @@ cudaError_t launch_copy(int direction, CopyParams p, int num_kv, int64_t n_token
     const bool wide = needs_wide_index(p.total);
     DeviceInfo info;
     KVIO_CHECK(device_info(device, &info));
-    unsigned grid = 0;
-    KVIO_CHECK(grid_size(device, (p.total + kTile - 1) / kTile, &grid));
-    const int vec_log2 = log2_of(vec);
+    const unsigned grid = grid_size(info, (p.total + kTile - 1) / kTile);
+    const int vec_log2 = log2_exact(vec);
     const bool early = chained && direction == kHostToDevice && vec == 16;
     const CopyKernel kernel = early ? kEarlyLoadKernels[wide ? 1 : 0]
                                     : kCopyKernels[direction][vec_log2][wide ? 1 : 0];
@@ -1205,10 +1195,11 @@ cudaError_t load_layers_signaled(const uint64_t* k_ptrs, const uint64_t* v_ptrs,
         tiles_per_layer > UINT32_MAX / (kThreads / 32)) {  // 32-bit counts of warps
         return cudaErrorInvalidValue;
     }
-    unsigned grid = 0;
-    KVIO_CHECK(grid_size(guard.device(), tiles, &grid));
+    DeviceInfo info;
+    KVIO_CHECK(device_info(guard.device(), &info));
+    const unsigned grid = grid_size(info, tiles);
     const Signals sig = {counters, flags, epoch};
-    const SignaledKernel kernel = kSignaledKernels[log2_of(vec)][needs_wide_index(p.total)];
+    const SignaledKernel kernel = kSignaledKernels[log2_exact(vec)][needs_wide_index(p.total)];
     kernel<<<grid, kThreads, 0, s>>>(p, num_layers, sig);
     return cudaGetLastError();
 }
