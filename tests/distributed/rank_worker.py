@@ -115,7 +115,7 @@ class _Gate:
         self.done = 0
         self.made = 0
 
-    def new_event(self, device: torch.device) -> _FakeEvent:
+    def recorded_event(self, device: torch.device, stream: object) -> _FakeEvent:
         self.made += 1
         return _FakeEvent(self, self.made - 1)
 
@@ -145,12 +145,13 @@ def acks(rank: int, world: int, odd_rank: int, timeout_s: float) -> object:
     import kvcore.controller as controller_module
 
     gate = _Gate()
-    real_new_event = controller_module.new_event
-    controller_module.new_event = gate.new_event  # completion on our say-so, in this child
+    real_recorded_event = controller_module.recorded_event
+    # completion on our say-so, in this child
+    controller_module.recorded_event = gate.recorded_event
     try:
         return _acks(gate, rank, world, odd_rank, timeout_s)
     finally:
-        controller_module.new_event = real_new_event
+        controller_module.recorded_event = real_recorded_event
 
 
 def _acks(gate: _Gate, rank: int, world: int, odd_rank: int, timeout_s: float) -> object:
