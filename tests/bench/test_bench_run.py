@@ -148,3 +148,35 @@ def test_reference_rows_can_be_timed_with_fewer_repetitions() -> None:
     validate(json.loads(report.to_json(result, "kvio bench")))
     with pytest.raises(InvalidArgument, match="reference_repeat"):
         Bench(default_registry(), CPU, [], reference_repeat=0)
+
+
+
+def test_the_reference_row_is_its_oracle_run_timed_after_the_other_backends(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvcore.pools import HostPool
+
+    allocated: list[str] = []
+    real_allocate = HostPool.allocate.__func__  # type: ignore[attr-defined]
+
+    def counting(cls: type, *args: object, **kwargs: object) -> object:
+        allocated.append(str(kwargs.get("backend")))
+        return real_allocate(cls, *args, **kwargs)
+
+    monkeypatch.setattr(HostPool, "allocate", classmethod(counting))
+    with default_registry().isolated() as reg:
+        instances = register(reg, "other", "none", ops=(Op.WRITE_BACK,))
+        reference = reg.instance(REFERENCE, CPU)
+        runs = []
+        real_run = reference.run
+        monkeypatch.setattr(reference, "run", lambda job: (runs.append(job), real_run(job))[1])
+        labels: list[str] = []
+        result = Bench(reg, CPU, cases()[:1], backends=[REFERENCE, "other"], warmup=1,
+                       repeat=2).run(lambda label: labels.append(label.split()[0]))
+    sets = cases()[0].index_sets
+    assert [r.backend for r in result.rows] == [REFERENCE, "other"]
+    assert all(r.status == OK and r.timing is not None for r in result.rows)
+    assert labels == ["other", REFERENCE]  # timed last: its timed calls change its result
+    other = instances["cpu"].runs  # "other" runs through the reference too
+    assert other == 1 + sets + 2  # its check, a warm-up round, the timed calls
+    assert len(runs) == other + 1 + sets + 2  # the oracle call is the reference's check
+    assert sorted(allocated) == ["other", REFERENCE, REFERENCE]  # initial, expected, other's
