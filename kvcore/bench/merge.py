@@ -32,9 +32,11 @@ def load(path: str) -> tuple[BenchResult, str]:
                               f"{path}: schema {schema!r}")
     try:
         rows = [_row(r) for r in facts["rows"]]
+        named = [_case(c) for c in facts.get("not_run_cases", [])]
         result = BenchResult(rows=rows, machine=facts["machine"], backends=facts["backends"],
                              settings=facts["settings"], started=facts["started"],
-                             elapsed_s=facts["elapsed_s"], not_run=facts.get("not_run", 0))
+                             elapsed_s=facts["elapsed_s"], not_run_cases=named,
+                             not_run_unnamed=max(0, facts.get("not_run", 0) - len(named)))
         return result, facts["command"]
     except (KeyError, TypeError) as exc:
         raise InvalidArgument("--merge", "every field of kvcore.bench/1",
@@ -50,7 +52,8 @@ def merge(results: Sequence[BenchResult]) -> BenchResult:
 
     The runs must come from the same GPU and driver and be timed the same way (their ratios
     are then comparable, and the report's one header line is true of every row); a case
-    measured twice for the same backend keeps the later run's row.
+    measured twice for the same backend keeps the later run's row. A case one run did not
+    reach counts as not run only if no run measured it.
     """
     if not results:
         raise InvalidArgument("--merge", "at least one JSON file", "none")
@@ -73,20 +76,28 @@ def merge(results: Sequence[BenchResult]) -> BenchResult:
     backends: dict[str, dict[str, Any]] = {}
     for result in results:
         backends.update({b["name"]: b for b in result.backends})
+    measured = {row.case.key() for row in by_key.values()}
+    not_run = {c.key(): c for result in results for c in result.not_run_cases
+               if c.key() not in measured}
     settings = dict(first.settings)
     settings["runs"] = len(results)
     return BenchResult(rows=list(by_key.values()), machine=first.machine,
                        backends=list(backends.values()), settings=settings,
                        started=first.started,
                        elapsed_s=sum(r.elapsed_s for r in results),
-                       not_run=sum(r.not_run for r in results))
+                       not_run_cases=list(not_run.values()),
+                       not_run_unnamed=sum(r.not_run_unnamed for r in results))
 
 
-def _row(facts: dict[str, Any]) -> Row:
-    case = Case(parse_enum(Op, facts["op"], "op"), parse_enum(Kind, facts["kind"], "kind"),
+def _case(facts: dict[str, Any]) -> Case:
+    return Case(parse_enum(Op, facts["op"], "op"), parse_enum(Kind, facts["kind"], "kind"),
                 parse_enum(Layout, facts["layout"], "layout"), parse_dtype(facts["dtype"]),
                 facts["page_size"], facts["batch_pages"], facts["total_pages"],
                 facts["num_layers"], facts["element_dim"])
+
+
+def _row(facts: dict[str, Any]) -> Row:
+    case = _case(facts)
     ceiling = facts["ceiling"]
     return Row(case=case, backend=facts["backend"], backend_version=facts["backend_version"],
                variant=facts["variant"], status=facts["status"], reason=facts["reason"],

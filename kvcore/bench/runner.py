@@ -106,12 +106,22 @@ class BenchResult:
     settings: dict[str, Any]
     started: str
     elapsed_s: float = 0.0
-    #: cases the run never reached because it was interrupted (0 for a complete run)
-    not_run: int = 0
+    #: the cases the run never reached because it was interrupted (none for a complete run)
+    not_run_cases: list[Case] = attrs.field(factory=list)
+    #: cases not run that ``not_run_cases`` cannot name (read from a file that did not list
+    #: them)
+    not_run_unnamed: int = 0
+
+    @property
+    def not_run(self) -> int:
+        """How many cases were not run (0 for a complete run)."""
+        return len(self.not_run_cases) + self.not_run_unnamed
 
     def facts(self) -> dict[str, Any]:
         return {"schema": SCHEMA_ID, "started": self.started, "elapsed_s": self.elapsed_s,
-                "not_run": self.not_run, "machine": self.machine, "settings": self.settings,
+                "not_run": self.not_run,
+                "not_run_cases": [c.facts() for c in self.not_run_cases],
+                "machine": self.machine, "settings": self.settings,
                 "backends": self.backends, "rows": [r.facts() for r in self.rows]}
 
 
@@ -210,7 +220,7 @@ class Bench:
                            backends=[self._backend_facts(n) for n in names],
                            settings=settings, started=started,
                            elapsed_s=time.perf_counter() - t0,
-                           not_run=len(self.cases) - done)
+                           not_run_cases=list(self.cases[done:]))
 
     def _backend_facts(self, name: str) -> dict[str, Any]:
         caps = self.registry.get(name).spec.capabilities

@@ -15,7 +15,7 @@ import torch
 
 from kvcore.bench import report
 from kvcore.bench.runner import Bench, BenchResult
-from kvcore.bench.sweep import PRESETS, expand, override
+from kvcore.bench.sweep import PRESETS, Case, expand, override
 from kvcore.cli.backends import default_device
 from kvcore.registry import default_registry
 
@@ -88,9 +88,7 @@ def command_line(args: argparse.Namespace) -> str:
 def run(args: argparse.Namespace) -> int:
     if args.merge:
         return _merge(args)
-    sweep = override(PRESETS[args.preset],
-                     **{field: _split(getattr(args, opt)) for opt, field in AXES.items()})
-    cases = expand(sweep)
+    cases = _cases(args)
     device = torch.device(args.device) if args.device else default_device()
     bench = Bench(registry=default_registry(), device=device, cases=cases,
                   backends=_split(args.backend), warmup=args.warmup, repeat=args.repeat,
@@ -108,10 +106,37 @@ def run(args: argparse.Namespace) -> int:
     return _exit_code(result)
 
 
+def _cases(args: argparse.Namespace) -> list[Case]:
+    sweep = override(PRESETS[args.preset],
+                     **{field: _split(getattr(args, opt)) for opt, field in AXES.items()})
+    return expand(sweep)
+
+
+def _name_not_run(result: BenchResult, command: str) -> None:
+    """For a file written before runs listed the cases they did not reach: name them from
+    its command (the cases of that sweep without a row), where there are exactly as many as
+    it counted."""
+    if not result.not_run_unnamed:
+        return
+    words = shlex.split(command)
+    parser = argparse.ArgumentParser(prog="kvio", add_help=False)
+    add_parser(parser.add_subparsers())
+    try:
+        args = parser.parse_args(words[1:])
+    except SystemExit:  # not a command this version can read: the count stays unnamed
+        return
+    measured = {row.case.key() for row in result.rows}
+    missing = [c for c in _cases(args) if c.key() not in measured]
+    if len(missing) == result.not_run_unnamed:
+        result.not_run_cases, result.not_run_unnamed = missing, 0
+
+
 def _merge(args: argparse.Namespace) -> int:
     from kvcore.bench import merge
 
     loaded = [merge.load(path) for path in args.merge]
+    for result, command in loaded:
+        _name_not_run(result, command)
     result = merge.merge([r for r, _ in loaded])
     _report(args, result, "\n".join(cmd for _, cmd in loaded))
     return _exit_code(result)

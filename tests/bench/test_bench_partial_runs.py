@@ -46,9 +46,11 @@ def test_an_interrupt_between_rows_keeps_the_rows_measured_so_far() -> None:
     assert [r.case.op for r in result.rows] == [Op.WRITE_BACK]
     assert result.rows[0].status == OK and result.rows[0].ceiling is not None
     assert result.not_run == 2
+    assert [c.op for c in result.not_run_cases] == [Op.LOAD_LAYER, Op.LOAD_ALL]
     doc = json.loads(report.to_json(result, "kvio bench"))
     validate(doc)
     assert doc["not_run"] == 2
+    assert [c["op"] for c in doc["not_run_cases"]] == ["load_layer", "load_all"]
     assert "INCOMPLETE: stopped early, 2 case(s) not run" in report.text_table(result)
 
 
@@ -163,3 +165,42 @@ def test_merge_refuses_runs_of_different_machines_and_foreign_files(tmp_path: Pa
         load(str(bad))
     with pytest.raises(InvalidArgument, match="readable"):
         load(str(tmp_path / "missing.json"))
+
+
+def _cut_short(tmp_path: Path, name: str, *extra: str) -> Path:
+    """A run of SMALL (+ extra) whose time limit stops it before its first case."""
+    path = tmp_path / f"{name}.json"
+    assert main(["bench", *SMALL, "--quiet", "--time-limit", "0", "--json", str(path),
+                 *extra]) == 1
+    return path
+
+
+def test_merge_counts_a_case_as_not_run_only_if_no_run_measured_it(tmp_path: Path) -> None:
+    cut = _cut_short(tmp_path, "cut", "--kind", "mla", "--num-layers", "2")
+    doc = json.loads(cut.read_text())
+    validate(doc)
+    assert doc["not_run"] == 3 and len(doc["not_run_cases"]) == 3 and doc["rows"] == []
+    rest = _run(tmp_path, "rest", "--kind", "mla", "--num-layers", "2", "--op",
+                "load_layer,load_all")
+    merged = merge([load(str(cut))[0], load(str(rest))[0]])
+    assert merged.not_run == 1  # write_back: measured by neither run
+    assert [c.op for c in merged.not_run_cases] == [Op.WRITE_BACK]
+    whole = _run(tmp_path, "whole", "--kind", "mla", "--num-layers", "2")
+    assert main(["bench", "--merge", str(cut), str(whole), "--quiet"]) == 0
+
+
+def test_merge_names_the_missing_cases_of_a_file_that_only_counted_them(
+        tmp_path: Path) -> None:
+    cut = _cut_short(tmp_path, "cut", "--kind", "mla", "--num-layers", "2")
+    older = json.loads(cut.read_text())
+    del older["not_run_cases"]  # as kvio bench wrote it before it listed them
+    cut.write_text(json.dumps(older))
+    assert load(str(cut))[0].not_run_unnamed == 3
+    whole = _run(tmp_path, "whole", "--kind", "mla", "--num-layers", "2")
+    out = tmp_path / "m.json"
+    assert main(["bench", "--merge", str(cut), str(whole), "--quiet", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["not_run"] == 0  # named from its command, then covered
+    older["command"] = "kvio bench --no-such-option"  # unreadable: the count stays
+    cut.write_text(json.dumps(older))
+    assert main(["bench", "--merge", str(cut), str(whole), "--quiet", "--json", str(out)]) == 1
+    assert json.loads(out.read_text())["not_run"] == 3
