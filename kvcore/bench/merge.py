@@ -103,7 +103,8 @@ def _row(facts: dict[str, Any]) -> Row:
                variant=facts["variant"], status=facts["status"], reason=facts["reason"],
                timing=_timing(facts["timing"]),
                ceiling=_timing(ceiling), ceiling_kind=ceiling["copy"] if ceiling else None,
-               speedup=facts["speedup"])
+               speedup=facts["speedup"], host_slowdown=facts.get("host_slowdown"),
+               attempts=facts.get("attempts", 1))
 
 
 def _timing(facts: dict[str, Any] | None) -> Timing | None:

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvcore.bench.runner import OK, BenchResult, Row
+from kvcore.bench.slowdown import SLOWDOWN_TOLERANCE
 
 MIB = 2**20
 
@@ -73,9 +74,27 @@ def header_lines(result: BenchResult) -> list[str]:
         + (f", reference: repeat {s['reference_repeat']}, no warm-up"
            if s.get("reference_repeat") is not None else "")
         + f"  elapsed {result.elapsed_s:.1f} s",
+        *host_lines(result),
         *([f"INCOMPLETE: stopped early, {result.not_run} case(s) not run"]
           if result.not_run else []),
     ]
+
+
+def host_lines(result: BenchResult) -> list[str]:
+    """Where the run judged the host by its ceiling copies: the cases it re-timed, and
+    those whose copy still ran slow (see ``kvcore/bench/slowdown.py``)."""
+    s = result.settings
+    if not s.get("check_host"):
+        return []
+    tolerance = s.get("slowdown_tolerance", SLOWDOWN_TOLERANCE)
+    retimed = {r.case.key() for r in result.rows if r.attempts > 1}
+    slow = {r.case.key() for r in result.rows
+            if r.host_slowdown is not None and r.host_slowdown > tolerance}
+    if not retimed and not slow:
+        return []
+    return [f"host: {len(retimed)} case(s) re-timed because their contiguous copy ran more "
+            f"than {tolerance:.0%} under the run's fastest; {len(slow)} still did on every "
+            "attempt (their rows may read low)"]
 
 
 def text_table(result: BenchResult, latency: bool = False) -> str:

@@ -12,6 +12,9 @@ registered backend can be measured. Per case:
    the last, measure the contiguous-copy ceiling for the case's direction and byte count
    (the fastest measurement of that size in the run is the ceiling, see ``ceiling.py``).
 
+On an accelerator, a case whose own ceiling copy ran slow (a slow host, not a slow backend)
+is run again at the end of the sweep: see ``slowdown.py``.
+
 The reference's own row is its oracle run of step 1, timed last on the pools of its result:
 it needs no pools of its own and no check against itself (on an H200 that halves the
 reference's share of a sweep, which is most of it). It is timed after every comparison,
@@ -21,6 +24,7 @@ because its timed calls on the other index sets change that result.
 from __future__ import annotations
 
 import datetime
+import functools
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -30,6 +34,7 @@ import torch
 
 from kvcore.bench.ceiling import Ceiling
 from kvcore.bench.machine import machine_facts
+from kvcore.bench.slowdown import SLOWDOWN_TOLERANCE, CaseRun, keep_healthier, slowdown
 from kvcore.bench.sweep import Case
 from kvcore.bench.timing import Clock, Timing, gib_per_s
 from kvcore.capabilities import Unavailable
@@ -60,6 +65,10 @@ class Row:
     ceiling: Timing | None = None
     ceiling_kind: str | None = None
     speedup: float | None = None
+    #: how much slower the case's own ceiling copy ran than the run's fastest (see slowdown.py)
+    host_slowdown: float | None = None
+    #: how many times the case was run (more than 1 where the host was slow the first time)
+    attempts: int = 1
 
     @property
     def gib_s(self) -> float | None:
@@ -87,6 +96,7 @@ class Row:
                         {"copy": self.ceiling_kind, **self.ceiling.facts(),
                          "gib_s": self.ceiling_gib_s}),
             "ratio": self.ratio, "speedup": self.speedup,
+            "host_slowdown": self.host_slowdown, "attempts": self.attempts,
         }
 
 
@@ -143,6 +153,12 @@ class Bench:
     #: oracle and slow on an accelerator (most of a GPU sweep's time); its rows are for
     #: comparison, its oracle run serves as their warm-up.
     reference_repeat: int | None = None
+    #: rounds of re-running the cases whose ceiling copy ran slow (see ``slowdown.py``)
+    retime: int = 2
+    slowdown_tolerance: float = SLOWDOWN_TOLERANCE
+    #: judge the host by the ceiling copy (None: where the timer is device events; on the
+    #: CPU the copy and the rows share the cores, so the copy says nothing apart)
+    check_host: bool | None = None
     _pool_cache: dict[tuple[str, str], tuple[DevicePool, HostPool]] = attrs.field(
         factory=dict, init=False)
     _pool_key: tuple[object, ...] | None = attrs.field(default=None, init=False)
@@ -151,6 +167,8 @@ class Bench:
         if self.reference_repeat is not None and self.reference_repeat < 1:
             raise InvalidArgument("reference_repeat", "a positive int or None",
                                   str(self.reference_repeat))
+        if self.retime < 0:
+            raise InvalidArgument("retime", "a non-negative int", str(self.retime))
 
     def backend_names(self) -> list[str]:
         """The backends to measure, the reference first when it is among them."""
@@ -188,27 +206,49 @@ class Bench:
                      else Clock(self.device, 0, self.reference_repeat))
         ref_instance = self.registry.instance(REFERENCE, self.device)
         ceiling = Ceiling(clock, ref_instance.allocate_host)  # type: ignore[attr-defined]
-        rows: list[Row] = []
+        runs: list[CaseRun] = []
         host_memory: str | None = None
-        done = 0
+
+        def out_of_time() -> bool:
+            return (self.time_limit_s is not None
+                    and time.perf_counter() - t0 > self.time_limit_s)
+
+        def run(case: Case, label: str = "") -> CaseRun:
+            nonlocal host_memory
+            step = None if advance is None else functools.partial(_prefixed, advance, label)
+            case_run, memory = self._run_case(case, names, clock, ref_clock, ceiling, step)
+            host_memory = host_memory or memory
+            return case_run
+
+        check = self.check_host if self.check_host is not None else has_streams(self.device)
         try:
             for case in self.cases:
-                if self.time_limit_s is not None and time.perf_counter() - t0 > self.time_limit_s:
+                if out_of_time():
                     break
-                case_rows, memory = self._run_case(case, names, clock, ref_clock, ceiling,
-                                                   advance)
-                rows += case_rows
-                host_memory = host_memory or memory
-                done += 1
+                runs.append(run(case))
+            for _ in range(self.retime if check else 0):
+                slow = [i for i, r in enumerate(runs) if self._slowdown(r, ceiling)
+                        > self.slowdown_tolerance]
+                for i in slow:
+                    if out_of_time():
+                        break
+                    runs[i] = keep_healthier(runs[i], run(runs[i].case, "re-timed: "))
         except KeyboardInterrupt:
             pass
         finally:
             self._release_pools(clock)
+        rows = []
+        for case_run in runs:
+            for row in case_run.rows:
+                row.host_slowdown = self._slowdown(case_run, ceiling)
+                row.attempts = case_run.attempts
+                rows.append(row)
         for row in rows:  # every row of a size divides by the fastest copy of that size
             if row.timing is not None:
                 row.ceiling = ceiling.measure(row.case.direction, row.case.bytes_moved)
                 row.ceiling_kind = ceiling.label(row.case.direction)
         add_speedups(rows)
+        done = len(runs)
         settings = {"device": str(self.device), "warmup": self.warmup,
                     "warmup_per": "index set", "repeat": self.repeat,
                     "seed": self.seed, "timer": clock.kind,
@@ -216,6 +256,9 @@ class Bench:
                     **self.settings}
         if self.reference_repeat is not None:
             settings["reference_repeat"] = self.reference_repeat
+        settings["check_host"] = check
+        settings["retime"] = self.retime
+        settings["slowdown_tolerance"] = self.slowdown_tolerance
         return BenchResult(rows=rows, machine=machine_facts(self.device, host_memory),
                            backends=[self._backend_facts(n) for n in names],
                            settings=settings, started=started,
@@ -233,7 +276,7 @@ class Bench:
 
     def _run_case(self, case: Case, names: Sequence[str], clock: Clock, ref_clock: Clock,
                   ceiling: Ceiling,
-                  advance: Callable[[str], None] | None) -> tuple[list[Row], str | None]:
+                  advance: Callable[[str], None] | None) -> tuple[CaseRun, str | None]:
         gen = torch.Generator().manual_seed(self.seed)
         sets = index_sets(case, gen, self.device)
         initial = self._pools(case, "initial", REFERENCE, clock)
@@ -249,9 +292,10 @@ class Bench:
         rows = {name: Row(case, name) for name in names}
         memory = None
         timed = [n for n in names if n != REFERENCE] + [n for n in names if n == REFERENCE]
+        copies = []
         for i, name in enumerate(timed):
             if i == 1:  # between the first backend's run and the second's
-                ceiling.measure(case.direction, case.bytes_moved, case.index_sets, again=True)
+                copies.append(ceiling.sample(case.direction, case.bytes_moved, case.index_sets))
             row = rows[name]
             if name == REFERENCE:
                 row.backend_version, row.variant = ref_plan.backend_version, oracle_variant
@@ -262,8 +306,14 @@ class Bench:
             if advance is not None:
                 advance(f"{name} {case.op.value} {case.kind.value}/{case.layout.value} "
                         f"L{case.num_layers} e{case.element_dim}")
-        ceiling.measure(case.direction, case.bytes_moved, case.index_sets, again=True)
-        return [rows[n] for n in names], memory
+        copies.append(ceiling.sample(case.direction, case.bytes_moved, case.index_sets))
+        slowest = max(copies, key=lambda t: t.median_ms)
+        return CaseRun(case, [rows[n] for n in names], slowest), memory
+
+    @staticmethod
+    def _slowdown(case_run: CaseRun, ceiling: Ceiling) -> float:
+        case = case_run.case
+        return slowdown(case_run, ceiling.measure(case.direction, case.bytes_moved))
 
     def _check_and_time(self, row: Row, initial: tuple[DevicePool, HostPool],
                         expected: tuple[DevicePool, HostPool],
@@ -438,6 +488,10 @@ def add_speedups(rows: list[Row]) -> None:
         base = ref.get(r.case.key())
         if r.timing is not None and base is not None and r.timing.median_ms > 0:
             r.speedup = base.median_ms / r.timing.median_ms
+
+
+def _prefixed(advance: Callable[[str], None], prefix: str, label: str) -> None:
+    advance(prefix + label)
 
 
 def _first_line(exc: BaseException) -> str:

@@ -1,0 +1,91 @@
+"""Cases timed while the host was slow (their ceiling copy ran slow) are timed again."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from kvcore.bench import report
+from kvcore.bench.ceiling import Ceiling
+from kvcore.bench.runner import OK, Bench
+from kvcore.bench.timing import Timing
+from kvcore.errors import InvalidArgument
+from kvcore.layout import Kind, Op
+from kvcore.registry import REFERENCE, default_registry
+
+from .helpers import case
+from .test_bench_run import validate
+
+CPU = torch.device("cpu")
+
+
+def three_cases() -> list:  # one geometry: the three ops share one ceiling size
+    return [case(op, Kind.MLA, layers=2, elem=128, page=4, batch=2, total=4) for op in Op]
+
+
+def scripted_copies(monkeypatch: pytest.MonkeyPatch, slow: set[int]) -> list[int]:
+    """Make the n-th ceiling copy take 2 ms where n is in ``slow``, else 1 ms."""
+    calls: list[int] = []
+
+    def measure(self: Ceiling, direction: str, nbytes: int, sets: int) -> Timing:
+        calls.append(len(calls))
+        return Timing((2.0 if calls[-1] in slow else 1.0,))
+
+    monkeypatch.setattr(Ceiling, "_measure", measure)
+    return calls
+
+
+def bench(retime: int = 2, check_host: bool | None = True) -> Bench:
+    return Bench(default_registry(), CPU, three_cases(), backends=[REFERENCE], warmup=0,
+                 repeat=1, retime=retime, check_host=check_host)
+
+
+def test_a_case_whose_copy_ran_slow_is_timed_again_and_the_healthy_attempt_kept(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = scripted_copies(monkeypatch, slow={1})  # the second case's copy
+    labels: list[str] = []
+    result = bench().run(labels.append)
+    assert len(calls) == 4  # one copy per case, and one for the second case's new attempt
+    assert labels[-1] == "re-timed: reference load_layer mla/page_first L2 e128"
+    assert [r.case.op for r in result.rows] == list(Op)  # in sweep order still
+    assert [r.attempts for r in result.rows] == [1, 2, 1]
+    assert all(r.host_slowdown == 0.0 and r.status == OK for r in result.rows)
+    assert result.rows[1].ceiling.median_ms == 1.0
+    assert "host: 1 case(s) re-timed" in report.text_table(result)
+    assert "0 still did" in report.text_table(result)
+    validate(json.loads(report.to_json(result, "kvio bench")))
+
+
+def test_a_case_slow_on_every_attempt_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    scripted_copies(monkeypatch, slow={1, 3, 4})  # the second case, each time
+    result = bench(retime=2).run()
+    assert [r.attempts for r in result.rows] == [1, 3, 1]
+    assert result.rows[1].host_slowdown == pytest.approx(1.0)
+    assert "1 still did on every attempt" in report.text_table(result)
+    doc = json.loads(report.to_json(result, "kvio bench"))
+    assert doc["rows"][1]["host_slowdown"] == pytest.approx(1.0)
+    assert doc["rows"][1]["attempts"] == 3 and doc["settings"]["retime"] == 2
+
+
+def test_an_attempt_no_healthier_than_the_first_is_not_kept(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    scripted_copies(monkeypatch, slow={1, 3})
+    result = bench(retime=1).run()
+    assert [r.attempts for r in result.rows] == [1, 2, 1]
+    assert result.rows[1].host_slowdown == pytest.approx(1.0)
+
+
+def test_no_retime_where_it_is_off_or_on_the_cpu_by_default(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = scripted_copies(monkeypatch, slow={1})
+    result = bench(retime=0).run()
+    assert len(calls) == 3 and [r.attempts for r in result.rows] == [1, 1, 1]
+    assert result.rows[1].host_slowdown == pytest.approx(1.0)  # still reported
+    calls.clear()
+    result = bench(check_host=None).run()  # wall clock: the copy shares the rows' cores
+    assert len(calls) == 3 and result.settings["check_host"] is False
+    assert "host:" not in report.text_table(result)
+    with pytest.raises(InvalidArgument, match="retime"):
+        Bench(default_registry(), CPU, [], retime=-1)
