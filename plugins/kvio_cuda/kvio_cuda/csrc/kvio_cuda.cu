@@ -912,6 +912,18 @@ CopyParams base_params(const uint64_t* k_ptrs, const uint64_t* v_ptrs, void* hos
     return p;
 }
 
+// base_params with device-readable token indices (the direct and signaled kernels).
+CopyParams indexed_params(const uint64_t* k_ptrs, const uint64_t* v_ptrs, void* host,
+                          const kvio_layout& L, const void* host_idx, int host_idx_64,
+                          const void* dev_idx, int dev_idx_64) {
+    CopyParams p = base_params(k_ptrs, v_ptrs, host, L);
+    p.host_idx = host_idx;
+    p.host_idx_64 = host_idx_64 ? 1 : 0;
+    p.dev_idx = dev_idx;
+    p.dev_idx_64 = dev_idx_64 ? 1 : 0;
+    return p;
+}
+
 // True when, for every page, the bytes of all (token, layer, chunk) of one K/V form exactly
 // the run [0, page_bytes) of that page (page_first, page_first_direct, page_head).
 bool page_is_contiguous(const kvio_layout& L, int32_t num_layers, int64_t page_bytes) {
@@ -1147,11 +1159,8 @@ cudaError_t transfer_direct(int direction, const uint64_t* k_ptrs, const uint64_
     DeviceGuard guard;
     KVIO_CHECK(guard.enter(s));
 
-    CopyParams p = base_params(k_ptrs, v_ptrs, host_base, layout);
-    p.host_idx = host_idx;
-    p.host_idx_64 = host_idx_64 ? 1 : 0;
-    p.dev_idx = dev_idx;
-    p.dev_idx_64 = dev_idx_64 ? 1 : 0;
+    CopyParams p = indexed_params(k_ptrs, v_ptrs, host_base, layout, host_idx, host_idx_64,
+                                  dev_idx, dev_idx_64);
     p.layer_begin = layer_begin;
     const int num_kv = v_ptrs != nullptr ? 2 : 1;
     return launch_copy(direction, p, num_kv, n_tokens, layer_count, layout.num_chunks,
@@ -1181,11 +1190,8 @@ cudaError_t load_layers_signaled(const uint64_t* k_ptrs, const uint64_t* v_ptrs,
         kvio_set_flags<<<1, kThreads, 0, s>>>(flags, num_layers, epoch);
         return cudaGetLastError();
     }
-    CopyParams p = base_params(k_ptrs, v_ptrs, host_base, layout);
-    p.host_idx = host_idx;
-    p.host_idx_64 = host_idx_64 ? 1 : 0;
-    p.dev_idx = dev_idx;
-    p.dev_idx_64 = dev_idx_64 ? 1 : 0;
+    CopyParams p = indexed_params(k_ptrs, v_ptrs, host_base, layout, host_idx, host_idx_64,
+                                  dev_idx, dev_idx_64);
     const int num_kv = v_ptrs != nullptr ? 2 : 1;
     int vec = 0;
     KVIO_CHECK(plan_copy(p, num_kv, n_tokens, 1, layout.num_chunks, &vec));
