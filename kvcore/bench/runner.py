@@ -239,9 +239,9 @@ class Bench:
             self._release_pools(clock)
         rows = []
         for case_run in runs:
+            host_slowdown = self._slowdown(case_run, ceiling)
             for row in case_run.rows:
-                row.host_slowdown = self._slowdown(case_run, ceiling)
-                row.attempts = case_run.attempts
+                row.host_slowdown, row.attempts = host_slowdown, case_run.attempts
                 rows.append(row)
         for row in rows:  # every row of a size divides by the fastest copy of that size
             if row.timing is not None:
