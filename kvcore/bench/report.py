@@ -71,7 +71,7 @@ def header_lines(result: BenchResult) -> list[str]:
         + (" rounds over every index set" if s.get("warmup_per") == "index set" else "")
         + ", "
         f"repeat {s.get('repeat')} (median)"
-        + (f", reference: repeat {s['reference_repeat']}, no warm-up"
+        + (f", reference: repeat {s['reference_repeat']} from its oracle call, no warm-up"
            if s.get("reference_repeat") is not None else "")
         + f"  elapsed {result.elapsed_s:.1f} s",
         *host_lines(result),

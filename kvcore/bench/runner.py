@@ -15,10 +15,11 @@ registered backend can be measured. Per case:
 On an accelerator, a case whose own ceiling copy ran slow (a slow host, not a slow backend)
 is run again at the end of the sweep: see ``slowdown.py``.
 
-The reference's own row is its oracle run of step 1, timed last on the pools of its result:
-it needs no pools of its own and no check against itself (on an H200 the seed table with
-the reference took 546 s instead of an estimated 808 s). It is timed after every comparison,
-because its timed calls on the other index sets change that result.
+The reference's own row is its oracle run of step 1, on the pools of its result: it needs no
+pools of its own and no check against itself (on an H200 the seed table with the reference
+took 546 s instead of an estimated 808 s). It is timed after every comparison, because its
+timed calls on the other index sets change that result. With ``reference_repeat`` the oracle
+call itself is the row's first timed call, and only the rest run after the comparisons.
 """
 
 from __future__ import annotations
@@ -149,9 +150,9 @@ class Bench:
     settings: dict[str, Any] = attrs.field(factory=dict)
     #: start no new case after this many seconds (None: no limit); see ``BenchResult.not_run``
     time_limit_s: float | None = None
-    #: timed calls of the reference's own rows (None: ``repeat``). The reference is the
-    #: oracle and slow on an accelerator (most of a GPU sweep's time); its rows are for
-    #: comparison, its oracle run serves as their warm-up.
+    #: timed calls of the reference's own rows, the first of them its oracle call, with no
+    #: warm-up (None: warm-up and ``repeat`` like every backend). The reference is slow on an
+    #: accelerator (most of a GPU sweep's time) and its rows are only for comparison.
     reference_repeat: int | None = None
     #: rounds of re-running the cases whose ceiling copy ran slow (see ``slowdown.py``)
     retime: int = 2
@@ -202,8 +203,6 @@ class Bench:
         started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
         names = self.backend_names()
         clock = Clock(self.device, self.warmup, self.repeat)
-        ref_clock = (clock if self.reference_repeat is None
-                     else Clock(self.device, 0, self.reference_repeat))
         ref_instance = self.registry.instance(REFERENCE, self.device)
         ceiling = Ceiling(clock, ref_instance.allocate_host)  # type: ignore[attr-defined]
         runs: list[CaseRun] = []
@@ -216,7 +215,7 @@ class Bench:
         def run(case: Case, label: str = "") -> CaseRun:
             nonlocal host_memory
             step = None if advance is None else functools.partial(_prefixed, advance, label)
-            case_run, memory = self._run_case(case, names, clock, ref_clock, ceiling, step)
+            case_run, memory = self._run_case(case, names, clock, ceiling, step)
             host_memory = host_memory or memory
             return case_run
 
@@ -274,8 +273,7 @@ class Bench:
 
     # -- one case --------------------------------------------------------------------------
 
-    def _run_case(self, case: Case, names: Sequence[str], clock: Clock, ref_clock: Clock,
-                  ceiling: Ceiling,
+    def _run_case(self, case: Case, names: Sequence[str], clock: Clock, ceiling: Ceiling,
                   advance: Callable[[str], None] | None) -> tuple[CaseRun, str | None]:
         gen = torch.Generator().manual_seed(self.seed)
         sets = index_sets(case, gen, self.device)
@@ -286,9 +284,8 @@ class Bench:
         copy_state(initial, expected)
         ref_plan = self._plan(case, REFERENCE)
         oracle = Call(ref_plan, expected, sets, case)
-        oracle_variant = oracle.check_and_run(0)
-        clock.synchronize()
-        oracle.check_completions()
+        oracle_variant = oracle.prepare()
+        oracle_timing = self._run_oracle(oracle, clock)
         rows = {name: Row(case, name) for name in names}
         memory = None
         timed = [n for n in names if n != REFERENCE] + [n for n in names if n == REFERENCE]
@@ -300,7 +297,7 @@ class Bench:
             if name == REFERENCE:
                 row.backend_version, row.variant = ref_plan.backend_version, oracle_variant
                 memory = memory or expected[1].memory.value
-                self._time(row, oracle, ref_clock)
+                self._time_reference(row, oracle, oracle_timing, clock)
             else:
                 memory = self._check_and_time(row, initial, expected, sets, clock) or memory
             if advance is not None:
@@ -345,10 +342,36 @@ class Bench:
                 self._time(row, call, clock)
         return pools[1].memory.value
 
+    def _run_oracle(self, oracle: Call, clock: Clock) -> Timing | None:
+        """The reference's call on the first index set, whose result every backend is
+        compared with; timed where it is the reference row's first timed call."""
+        if self.reference_repeat is None:
+            oracle(0)
+            clock.synchronize()
+            timing = None
+        else:
+            timing = Clock(self.device, 0, 1).measure(oracle)
+        oracle.check_completions()
+        return timing
+
+    def _time_reference(self, row: Row, oracle: Call, first: Timing | None,
+                        clock: Clock) -> None:
+        """The reference's row: timed like any backend's, or its oracle call and
+        ``reference_repeat - 1`` calls on the following index sets, without warm-up."""
+        if first is None:
+            self._time(row, oracle, clock)
+            return
+        more = (self.reference_repeat or 1) - 1
+        if more:
+            self._time(row, oracle, Clock(self.device, 0, more), first_set=1)
+        if row.status == OK:
+            rest = row.timing.samples_ms if row.timing is not None else ()
+            row.timing = Timing(first.samples_ms + rest)
+
     @staticmethod
-    def _time(row: Row, call: Call, clock: Clock) -> None:
+    def _time(row: Row, call: Call, clock: Clock, first_set: int = 0) -> None:
         try:
-            row.timing = clock.measure(call, len(call.placed))
+            row.timing = clock.measure(lambda i: call(first_set + i), len(call.placed))
             call.check_completions()
         except Exception as exc:  # noqa: BLE001 - any failure of the backend fails the row
             row.status, row.reason = FAILED, f"{type(exc).__name__}: {_first_line(exc)}"
@@ -406,14 +429,19 @@ class Call:
         self.completions: list[Any] = []
         self.stream = current_stream(self.device_pool.device)
 
-    def check_and_run(self, i: int) -> str:
-        """Validate and place every index set, run set ``i``; returns the variant used."""
+    def prepare(self) -> str:
+        """Validate and place every index set; returns the variant the first one uses."""
         layer = 0 if self.case.op is Op.LOAD_LAYER else None
         for h, d in self.raw_sets:
             check_indices(self.plan, self.device_pool, self.host_pool, h, d, layer)
             self.placed.append(self.plan.place_for(self.host_pool, h, d))
-        self(i)
         return self.placed[0].support.variant
+
+    def check_and_run(self, i: int) -> str:
+        """Validate and place every index set, run set ``i``; returns the variant used."""
+        variant = self.prepare()
+        self(i)
+        return variant
 
     def __call__(self, i: int) -> None:
         """One timed call on index set ``i % n``: indices placed once, as the controller

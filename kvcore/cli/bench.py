@@ -46,8 +46,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                    help="untimed rounds per row, each calling every index set once (default 2)")
     p.add_argument("--repeat", type=int, default=7, help="timed calls per row (default 7)")
     p.add_argument("--reference-repeat", type=int, default=None, metavar="N",
-                   help="timed calls of the reference's own rows, without warm-up (default: "
-                        "as --repeat); the reference is slow on a GPU and only compared with")
+                   help="timed calls of the reference's own rows, the first of them the oracle "
+                        "call every backend is checked against, without warm-up (default: as "
+                        "--repeat); the reference is slow on a GPU and only compared with")
     p.add_argument("--retime", type=int, default=2, metavar="N",
                    help="on an accelerator, run a case again at the end, up to N times, when "
                         "its contiguous copy ran more than 3%% under the run's fastest (a "

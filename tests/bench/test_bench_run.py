@@ -144,7 +144,7 @@ def test_reference_rows_can_be_timed_with_fewer_repetitions() -> None:
     sets = cases()[0].index_sets  # the other backend keeps check, warm-up rounds, repeat
     assert instances["cpu"].runs == 1 + 2 * sets + 4
     assert result.settings["reference_repeat"] == 1
-    assert "reference: repeat 1, no warm-up" in report.text_table(result)
+    assert "reference: repeat 1 from its oracle call, no warm-up" in report.text_table(result)
     validate(json.loads(report.to_json(result, "kvio bench")))
     with pytest.raises(InvalidArgument, match="reference_repeat"):
         Bench(default_registry(), CPU, [], reference_repeat=0)
@@ -180,3 +180,21 @@ def test_the_reference_row_is_its_oracle_run_timed_after_the_other_backends(
     assert other == 1 + sets + 2  # its check, a warm-up round, the timed calls
     assert len(runs) == other + 1 + sets + 2  # the oracle call is the reference's check
     assert sorted(allocated) == ["other", REFERENCE, REFERENCE]  # initial, expected, other's
+
+
+@pytest.mark.parametrize("repeat", [1, 3])
+def test_with_reference_repeat_the_oracle_call_is_the_first_timed_call(
+        monkeypatch: pytest.MonkeyPatch, repeat: int) -> None:
+    with default_registry().isolated() as reg:
+        instances = register(reg, "other", "none", ops=(Op.WRITE_BACK,))
+        reference = reg.instance(REFERENCE, CPU)
+        runs: list[object] = []
+        real_run = reference.run
+        monkeypatch.setattr(reference, "run", lambda job: (runs.append(job), real_run(job))[1])
+        result = Bench(reg, CPU, cases()[:1], backends=[REFERENCE, "other"], warmup=1,
+                       repeat=2, reference_repeat=repeat).run()
+    assert all(r.status == OK for r in result.rows)
+    ref = next(r for r in result.rows if r.backend == REFERENCE)
+    assert len(ref.timing.samples_ms) == repeat
+    other = instances["cpu"].runs
+    assert len(runs) == other + repeat  # no call of its own besides the timed ones
