@@ -7,7 +7,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvcore.bench.runner import OK, BenchResult, Row
-from kvcore.bench.slowdown import SLOWDOWN_TOLERANCE
+from kvcore.bench.slowdown import SLOWDOWN_TOLERANCE, SPREAD_TOLERANCE
+from kvcore.registry import REFERENCE
 
 MIB = 2**20
 
@@ -81,20 +82,24 @@ def header_lines(result: BenchResult) -> list[str]:
 
 
 def host_lines(result: BenchResult) -> list[str]:
-    """Where the run judged the host by its ceiling copies: the cases it re-timed, and
-    those whose copy still ran slow (see ``kvcore/bench/slowdown.py``)."""
+    """Where the run judged the host by its own measurements: the cases it re-timed, and
+    those still disturbed on every attempt (see ``kvcore/bench/slowdown.py``)."""
     s = result.settings
     if not s.get("check_host"):
         return []
-    tolerance = s.get("slowdown_tolerance", SLOWDOWN_TOLERANCE)
+    slow_at = s.get("slowdown_tolerance", SLOWDOWN_TOLERANCE)
+    spread_at = s.get("spread_tolerance", SPREAD_TOLERANCE)
     retimed = {r.case.key() for r in result.rows if r.attempts > 1}
-    slow = {r.case.key() for r in result.rows
-            if r.host_slowdown is not None and r.host_slowdown > tolerance}
-    if not retimed and not slow:
+    disturbed = {r.case.key() for r in result.rows
+                 if (r.host_slowdown is not None and r.host_slowdown > slow_at)
+                 or (r.backend != REFERENCE and r.timing is not None
+                     and r.timing.spread_pct / 100.0 > spread_at)}
+    if not retimed and not disturbed:
         return []
     return [f"host: {len(retimed)} case(s) re-timed because their contiguous copy ran more "
-            f"than {tolerance:.0%} under the run's fastest; {len(slow)} still did on every "
-            "attempt (their rows may read low)"]
+            f"than {slow_at:.0%} under the run's fastest or a row's samples spread more than "
+            f"{spread_at:.0%}; {len(disturbed)} still did on every attempt (their rows may "
+            "read low)"]
 
 
 def text_table(result: BenchResult, latency: bool = False) -> str:

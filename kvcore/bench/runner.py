@@ -12,8 +12,9 @@ registered backend can be measured. Per case:
    the last, measure the contiguous-copy ceiling for the case's direction and byte count
    (the fastest measurement of that size in the run is the ceiling, see ``ceiling.py``).
 
-On an accelerator, a case whose own ceiling copy ran slow (a slow host, not a slow backend)
-is run again at the end of the sweep: see ``slowdown.py``.
+On an accelerator, a case whose own ceiling copy ran slow or whose rows' samples spread wide
+(a disturbed host, not a slow backend) is run again at the end of the sweep: see
+``slowdown.py``.
 
 The reference's own row is its oracle run of step 1, on the pools of its result: it needs no
 pools of its own and no check against itself (on an H200 the seed table with the reference
@@ -35,7 +36,7 @@ import torch
 
 from kvcore.bench.ceiling import Ceiling
 from kvcore.bench.machine import machine_facts
-from kvcore.bench.slowdown import SLOWDOWN_TOLERANCE, CaseRun, keep_healthier, slowdown
+from kvcore.bench.slowdown import CaseRun, Tolerances, slowdown
 from kvcore.bench.sweep import Case
 from kvcore.bench.timing import Clock, Timing, gib_per_s
 from kvcore.capabilities import Unavailable
@@ -154,9 +155,9 @@ class Bench:
     #: warm-up (None: warm-up and ``repeat`` like every backend). The reference is slow on an
     #: accelerator (most of a GPU sweep's time) and its rows are only for comparison.
     reference_repeat: int | None = None
-    #: rounds of re-running the cases whose ceiling copy ran slow (see ``slowdown.py``)
+    #: rounds of re-running the cases the host disturbed (see ``slowdown.py``)
     retime: int = 2
-    slowdown_tolerance: float = SLOWDOWN_TOLERANCE
+    tolerances: Tolerances = attrs.field(factory=Tolerances)
     #: judge the host by the ceiling copy (None: where the timer is device events; on the
     #: CPU the copy and the rows share the cores, so the copy says nothing apart)
     check_host: bool | None = None
@@ -226,12 +227,13 @@ class Bench:
                     break
                 runs.append(run(case))
             for _ in range(self.retime if check else 0):
-                slow = [i for i, r in enumerate(runs) if self._slowdown(r, ceiling)
-                        > self.slowdown_tolerance]
-                for i in slow:
+                disturbed = [i for i, r in enumerate(runs)
+                             if self.tolerances.disturbed(r, self._fastest(r, ceiling))]
+                for i in disturbed:
                     if out_of_time():
                         break
-                    runs[i] = keep_healthier(runs[i], run(runs[i].case, "re-timed: "))
+                    again = run(runs[i].case, "re-timed: ")
+                    runs[i] = self.tolerances.keep(runs[i], again, self._fastest(again, ceiling))
         except KeyboardInterrupt:
             pass
         finally:
@@ -257,7 +259,8 @@ class Bench:
             settings["reference_repeat"] = self.reference_repeat
         settings["check_host"] = check
         settings["retime"] = self.retime
-        settings["slowdown_tolerance"] = self.slowdown_tolerance
+        settings["slowdown_tolerance"] = self.tolerances.slowdown
+        settings["spread_tolerance"] = self.tolerances.spread
         return BenchResult(rows=rows, machine=machine_facts(self.device, host_memory),
                            backends=[self._backend_facts(n) for n in names],
                            settings=settings, started=started,
@@ -308,9 +311,12 @@ class Bench:
         return CaseRun(case, [rows[n] for n in names], slowest), memory
 
     @staticmethod
-    def _slowdown(case_run: CaseRun, ceiling: Ceiling) -> float:
-        case = case_run.case
-        return slowdown(case_run, ceiling.measure(case.direction, case.bytes_moved))
+    def _fastest(case_run: CaseRun, ceiling: Ceiling) -> Timing:
+        """The run's fastest ceiling copy of the case's size so far."""
+        return ceiling.measure(case_run.case.direction, case_run.case.bytes_moved)
+
+    def _slowdown(self, case_run: CaseRun, ceiling: Ceiling) -> float:
+        return slowdown(case_run, self._fastest(case_run, ceiling))
 
     def _check_and_time(self, row: Row, initial: tuple[DevicePool, HostPool],
                         expected: tuple[DevicePool, HostPool],

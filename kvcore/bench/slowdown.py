@@ -1,13 +1,21 @@
-"""Cases timed while the host was slow: found by their own ceiling copy, then timed again.
+"""Cases timed while the host was disturbed: found by their own measurements, timed again.
 
 The host of a shared machine slows down for seconds to minutes. On an H200 host the loads
 and the pure-torch reference fell by 30 % and by 2-5x for the last minute of a nine-minute
-sweep (docs/benchmarks/h200-2026-12-03e/). The runner copies each case's bytes contiguously
-right after timing its backends, and that copy is the health signal: a case whose copy ran
-more than the tolerance slower than the run's fastest copy of that size is run again at the
-end of the sweep, and the attempt whose copy was fastest is kept. The rows' own times never
-decide, so a slow backend cannot be re-timed into a fast one; every row reports its case's
-slowdown and how many attempts it took.
+sweep, and in another run 21 rows fell under their bar with samples spread up to 27 %
+against a median spread of 2 % (docs/benchmarks/h200-2026-12-03e/). Two signals say a case
+was disturbed, neither of them how fast its rows were:
+
+- its ceiling copy, made contiguously right after its rows, ran more than
+  ``SLOWDOWN_TOLERANCE`` slower than the run's fastest copy of that size (a slow host);
+- a row of a backend other than the reference spread its samples more than
+  ``SPREAD_TOLERANCE`` (a dip during that row's own calls; the reference is CPU-bound and
+  spreads by nature).
+
+A disturbed case is run again at the end of the sweep. Of its attempts, an undisturbed one is
+kept before a disturbed one, and among equals the one whose copy ran fastest, so a slow
+backend cannot be re-timed into a fast one; every row reports its case's slowdown and how
+many attempts it took.
 """
 
 from __future__ import annotations
@@ -18,12 +26,16 @@ import attrs
 
 from kvcore.bench.sweep import Case
 from kvcore.bench.timing import Timing
+from kvcore.registry import REFERENCE
 
 if TYPE_CHECKING:
     from kvcore.bench.runner import Row
 
 #: a case whose contiguous copy ran this much slower than the run's fastest is timed again
 SLOWDOWN_TOLERANCE = 0.03
+
+#: a case with a row whose samples spread more than this (max - min over median) is timed again
+SPREAD_TOLERANCE = 0.05
 
 
 @attrs.frozen
@@ -41,7 +53,28 @@ def slowdown(run: CaseRun, fastest: Timing) -> float:
     return run.copy.median_ms / fastest.median_ms - 1.0 if fastest.median_ms > 0 else 0.0
 
 
-def keep_healthier(old: CaseRun, new: CaseRun) -> CaseRun:
-    """The attempt whose copy ran faster, counting both attempts."""
-    best = new if new.copy.median_ms < old.copy.median_ms else old
-    return attrs.evolve(best, attempts=old.attempts + 1)
+def spread(run: CaseRun) -> float:
+    """The widest spread of samples among the case's timed rows, the reference's apart
+    (0.05 = 5 %)."""
+    return max((r.timing.spread_pct / 100.0 for r in run.rows
+                if r.timing is not None and r.backend != REFERENCE), default=0.0)
+
+
+@attrs.frozen
+class Tolerances:
+    """When a case counts as disturbed (see the module's docstring)."""
+
+    slowdown: float = SLOWDOWN_TOLERANCE
+    spread: float = SPREAD_TOLERANCE
+
+    def disturbed(self, run: CaseRun, fastest: Timing) -> bool:
+        return slowdown(run, fastest) > self.slowdown or spread(run) > self.spread
+
+    def keep(self, old: CaseRun, new: CaseRun, fastest: Timing) -> CaseRun:
+        """Of two attempts, the undisturbed before the disturbed, then the one whose copy
+        ran faster; counting both attempts."""
+        def rank(run: CaseRun) -> tuple[bool, float]:
+            return self.disturbed(run, fastest), run.copy.median_ms
+
+        best = new if rank(new) < rank(old) else old
+        return attrs.evolve(best, attempts=old.attempts + 1)

@@ -51,8 +51,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                         "--repeat); the reference is slow on a GPU and only compared with")
     p.add_argument("--retime", type=int, default=2, metavar="N",
                    help="on an accelerator, run a case again at the end, up to N times, when "
-                        "its contiguous copy ran more than 3%% under the run's fastest (a "
-                        "slow host); the attempt with the fastest copy is kept (default 2)")
+                        "its contiguous copy ran more than 3%% under the run's fastest or a "
+                        "row's samples spread more than 5%% (a disturbed host); an undisturbed "
+                        "attempt is kept, else the one with the fastest copy (default 2)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random data and indices")
     p.add_argument("--time-limit", type=float, default=None, metavar="SECONDS",
                    help="start no new case after SECONDS; the report then says how many "

@@ -1,8 +1,10 @@
-"""Cases timed while the host was slow (their ceiling copy ran slow) are timed again."""
+"""Cases timed while the host was disturbed (their ceiling copy ran slow, or a row's samples
+spread wide) are timed again."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -10,12 +12,12 @@ import torch
 from kvcore.bench import report
 from kvcore.bench.ceiling import Ceiling
 from kvcore.bench.runner import OK, Bench
-from kvcore.bench.timing import Timing
+from kvcore.bench.timing import Clock, Timing
 from kvcore.errors import InvalidArgument
 from kvcore.layout import Kind, Op
-from kvcore.registry import REFERENCE, default_registry
+from kvcore.registry import REFERENCE, Registry, default_registry
 
-from .helpers import case
+from .helpers import case, register
 from .test_bench_run import validate
 
 CPU = torch.device("cpu")
@@ -89,3 +91,64 @@ def test_no_retime_where_it_is_off_or_on_the_cpu_by_default(
     assert "host:" not in report.text_table(result)
     with pytest.raises(InvalidArgument, match="retime"):
         Bench(default_registry(), CPU, [], retime=-1)
+
+
+def scripted_rows(monkeypatch: pytest.MonkeyPatch, wide: set[int]) -> list[int]:
+    """Make the n-th timed row's samples spread 20 % where n is in ``wide``, else not at all;
+    each row's median is 1 ms + n us, so the kept attempt can be told apart."""
+    calls: list[int] = []
+
+    def measure(self: Clock, call: object, sets: int = 1) -> Timing:
+        calls.append(len(calls))
+        base = 1.0 + calls[-1] / 1000
+        return Timing((base, base, base * 1.2) if calls[-1] in wide else (base,) * 3)
+
+    monkeypatch.setattr(Clock, "measure", measure)
+    return calls
+
+
+@pytest.fixture
+def reg() -> Iterator[Registry]:
+    with default_registry().isolated() as registry:
+        register(registry, "other", "none")
+        yield registry
+
+
+def other_bench(reg: Registry, backends: list[str], retime: int = 1) -> Bench:
+    return Bench(reg, CPU, three_cases(), backends=backends, warmup=0, repeat=1,
+                 retime=retime, check_host=True)
+
+
+def test_a_case_whose_row_spread_wide_is_timed_again_and_the_quiet_attempt_kept(
+        monkeypatch: pytest.MonkeyPatch, reg: Registry) -> None:
+    scripted_copies(monkeypatch, slow=set())
+    rows = scripted_rows(monkeypatch, wide={1})  # the second case's row
+    result = other_bench(reg, ["other"]).run()
+    assert len(rows) == 4
+    assert [r.attempts for r in result.rows] == [1, 2, 1]
+    assert result.rows[1].timing.median_ms == pytest.approx(1.003)  # the new attempt
+    assert result.rows[1].timing.spread_pct == 0.0
+    assert result.settings["spread_tolerance"] == 0.05
+    assert "host: 1 case(s) re-timed" in report.text_table(result)
+    assert "0 still did" in report.text_table(result)
+
+
+def test_of_two_wide_attempts_the_one_with_the_faster_copy_is_kept(
+        monkeypatch: pytest.MonkeyPatch, reg: Registry) -> None:
+    scripted_copies(monkeypatch, slow={3})  # the re-run's copy ran slow
+    scripted_rows(monkeypatch, wide={1, 3})
+    result = other_bench(reg, ["other"]).run()
+    assert [r.attempts for r in result.rows] == [1, 2, 1]
+    assert result.rows[1].timing.median_ms == pytest.approx(1.001)  # the first attempt
+    assert "1 still did on every attempt" in report.text_table(result)
+
+
+def test_the_references_own_spread_does_not_retime(monkeypatch: pytest.MonkeyPatch,
+                                                   reg: Registry) -> None:
+    copies = scripted_copies(monkeypatch, slow=set())
+    rows = scripted_rows(monkeypatch, wide={1, 3, 5})  # per case: the other's row, then the
+    result = other_bench(reg, [REFERENCE, "other"], retime=2).run()  # reference's
+    assert len(rows) == 6 and len(copies) == 6  # two copies per case, no case re-run
+    assert all(r.attempts == 1 for r in result.rows)
+    assert [r.timing.spread_pct > 5 for r in result.rows if r.backend == REFERENCE] == [True] * 3
+    assert "host:" not in report.text_table(result)
