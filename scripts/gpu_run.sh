@@ -10,7 +10,8 @@
 # always packed. The seed table may take longer than one run: SEED_ARGS narrows it and
 # SEED_TAG names its files (bench_seed_TAG.json), and `kvio bench --merge` joins the runs.
 # The seed bench stops starting cases SEED_MARGIN_S (default 60) before the deadline; the
-# reference takes ~85 % of its time, SEED_REFERENCE_REPEAT=1 times its rows once.
+# pure-torch reference is slow: SEED_REFERENCE_REPEAT=1 times its rows by their oracle call
+# alone (then the whole table with the reference took 457 s on an H200).
 # probe: scripts/probe_layer_load.py once per kernel build setting in PROBE_TUNES
 # (';'-separated KVIO_CUDA_TUNE values, '' = the shipped defaults). probe_h2d: the standalone
 # copy-path probe (scripts/probe_h2d_paths.cu). issue: Python's cost per per-layer call.
