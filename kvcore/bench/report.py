@@ -7,8 +7,12 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvcore.bench.runner import OK, BenchResult, Row
-from kvcore.bench.slowdown import SLOWDOWN_TOLERANCE, SPREAD_TOLERANCE
-from kvcore.registry import REFERENCE
+from kvcore.bench.slowdown import (
+    SLOWDOWN_TOLERANCE,
+    SPREAD_TOLERANCE,
+    Tolerances,
+    worst_spread,
+)
 
 MIB = 2**20
 
@@ -89,11 +93,13 @@ def host_lines(result: BenchResult) -> list[str]:
         return []
     slow_at = s.get("slowdown_tolerance", SLOWDOWN_TOLERANCE)
     spread_at = s.get("spread_tolerance", SPREAD_TOLERANCE)
+    tolerances = Tolerances(slow_at, spread_at)
     retimed = {r.case.key() for r in result.rows if r.attempts > 1}
-    disturbed = {r.case.key() for r in result.rows
-                 if (r.host_slowdown is not None and r.host_slowdown > slow_at)
-                 or (r.backend != REFERENCE and r.timing is not None
-                     and r.timing.spread_pct / 100.0 > spread_at)}
+    by_case: dict[tuple[Any, ...], list[Row]] = {}
+    for r in result.rows:
+        by_case.setdefault(r.case.key(), []).append(r)
+    disturbed = {key for key, rows in by_case.items()
+                 if tolerances.exceeded(rows[0].host_slowdown or 0.0, worst_spread(rows))}
     if not retimed and not disturbed:
         return []
     return [f"host: {len(retimed)} case(s) re-timed because their contiguous copy ran more "

@@ -20,6 +20,7 @@ many attempts it took.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import attrs
@@ -53,10 +54,9 @@ def slowdown(run: CaseRun, fastest: Timing) -> float:
     return run.copy.median_ms / fastest.median_ms - 1.0 if fastest.median_ms > 0 else 0.0
 
 
-def spread(run: CaseRun) -> float:
-    """The widest spread of samples among the case's timed rows, the reference's apart
-    (0.05 = 5 %)."""
-    return max((r.timing.spread_pct / 100.0 for r in run.rows
+def worst_spread(rows: Iterable[Row]) -> float:
+    """The widest spread of samples among timed rows, the reference's apart (0.05 = 5 %)."""
+    return max((r.timing.spread_pct / 100.0 for r in rows
                 if r.timing is not None and r.backend != REFERENCE), default=0.0)
 
 
@@ -67,8 +67,12 @@ class Tolerances:
     slowdown: float = SLOWDOWN_TOLERANCE
     spread: float = SPREAD_TOLERANCE
 
+    def exceeded(self, slowdown: float, spread: float) -> bool:
+        """Whether a case with this copy slowdown and this worst row spread was disturbed."""
+        return slowdown > self.slowdown or spread > self.spread
+
     def disturbed(self, run: CaseRun, fastest: Timing) -> bool:
-        return slowdown(run, fastest) > self.slowdown or spread(run) > self.spread
+        return self.exceeded(slowdown(run, fastest), worst_spread(run.rows))
 
     def keep(self, old: CaseRun, new: CaseRun, fastest: Timing) -> CaseRun:
         """Of two attempts, the undisturbed before the disturbed, then the one whose copy
