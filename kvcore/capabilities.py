@@ -64,6 +64,11 @@ Availability = Available | Unavailable
 INDEX_DTYPES = frozenset({torch.int32, torch.int64})
 
 
+def residency_device(residency: Residency, device: torch.device) -> torch.device:
+    """The torch device a residency means for a pool on ``device``."""
+    return torch.device("cpu") if residency is Residency.HOST else device
+
+
 @attrs.frozen
 class IndexSpec:
     """Residency and accepted dtypes of one index tensor. ``dtypes[0]`` is preferred."""

@@ -23,20 +23,19 @@ import collections
 import contextlib
 import functools
 import itertools
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
 import torch
 
-from kvcore.capabilities import HostMemory
+from kvcore.bound import BoundPlan, Submission
 from kvcore.errors import (
-    BuildError,
     ControllerUnusable,
     DeviceFault,
     InvalidArgument,
     InvalidIndices,
-    KVCoreError,
     TensorMismatch,
     TransferFailed,
 )
@@ -46,8 +45,7 @@ from kvcore.plan import TransferPlan
 from kvcore.policy import CacheEvent, WritePolicy, should_back_up
 from kvcore.pools import DevicePool, HostPool
 from kvcore.registry import Registry, default_registry, make_request
-from kvcore.signals import LayerSignals
-from kvcore.streams import current_stream, new_stream, on_stream, recorded_event
+from kvcore.streams import current_stream, new_stream
 from kvcore.validate import check_index_tensor
 
 
@@ -114,15 +112,14 @@ class HiCacheController:
         for i, m in enumerate(self.members):
             _check_pair(i, m, self.members[0])
         self.plans: dict[tuple[int, Op], TransferPlan] = {}
+        self.bound: dict[tuple[int, Op], BoundPlan] = {}
         for i, m in enumerate(self.members):
             for op in Op:
                 plan = self.registry.resolve(make_request(
                     op, m.host.geometry.kind, m.host.geometry.layout, m.device.dtype,
                     m.device.element_bytes, m.device.device), backend)
-                _check_plan_against_pools(plan, m)
                 self.plans[(i, op)] = plan
-        for plan in self.plans.values():
-            _build_backend(plan)
+                self.bound[(i, op)] = plan.bind(m.device, m.host)
         self.allocator = host_pool.allocator
         self.process_group = process_group
         if verify:
@@ -139,6 +136,9 @@ class HiCacheController:
         self._ids = itertools.count()
         self._unusable: BaseException | None = None
         self.completed_writes = 0
+        # one caller at a time: the allocator, the queue of pending writes and the streams'
+        # order are shared state (threads may call in; each call holds this for microseconds)
+        self._lock = threading.RLock()
 
     # -- introspection ---------------------------------------------------------------------
 
@@ -165,28 +165,35 @@ class HiCacheController:
         is a promise: pages count as backed up only once :meth:`poll_acks` or
         :meth:`wait_acks` returns it.
         """
-        self._check_usable()
-        d = check_index_tensor("device_indices", device_indices, "write")
-        owns = host_indices is None
-        page_size = self.allocator.page_size
-        if owns and d.numel() % page_size:
-            raise InvalidIndices("device_indices", f"a length that is a multiple of page_size "
-                                 f"{page_size} (host slots are allocated in whole pages)",
-                                 f"{d.numel()} entries", "write")
-        h = self.allocator.alloc(d.numel()) if owns else check_index_tensor(
-            "host_indices", host_indices, "write")
-        ack = WriteAck(next(self._ids), h, d)
-        try:
-            events, completions, _ = self._submit(Op.WRITE_BACK, self.write_stream, h, d,
-                                                  [None])
-        except BaseException as exc:
+        with self._lock:
+            self._check_usable()
+            d = check_index_tensor("device_indices", device_indices, "write")
+            owns = host_indices is None
+            page_size = self.allocator.page_size
+            if owns and d.numel() % page_size:
+                raise InvalidIndices("device_indices", f"a length that is a multiple of "
+                                     f"page_size {page_size} (host slots are allocated in "
+                                     "whole pages)", f"{d.numel()} entries", "write")
+            if not owns:
+                self.bound[(0, Op.WRITE_BACK)].check(host_indices, d)
+            h = self.allocator.alloc(d.numel()) if owns else host_indices
             if owns:
-                # an earlier pool-group member's copy may still be writing these host slots
-                _drain_stream(self.write_stream)
-                self.allocator.free(h)
-            raise self._failure("write-back", exc) from exc
-        self._pending.append(PendingWrite(ack, events[0], completions[0], owns))
-        return ack
+                try:
+                    self.bound[(0, Op.WRITE_BACK)].check(h, d, host_trusted=True)
+                except BaseException:
+                    self.allocator.free(h)
+                    raise
+            try:
+                subs = self._submit(Op.WRITE_BACK, self.write_stream, h, d)
+            except BaseException as exc:
+                if owns:
+                    # an earlier pool-group member's copy may still be writing these slots
+                    _drain_stream(self.write_stream)
+                    self.allocator.free(h)
+                raise self._failure("write-back", exc) from exc
+            ack = WriteAck(next(self._ids), h, d)
+            self._pending.append(PendingWrite(ack, subs[-1].event, subs, owns))
+            return ack
 
     def on_cache_event(self, event: CacheEvent | str, device_indices: torch.Tensor,
                        hits: int = 0) -> WriteAck | None:
@@ -198,11 +205,13 @@ class HiCacheController:
 
     def poll_acks(self) -> list[WriteAck]:
         """Completed write-backs, in submission order, without blocking."""
-        return self._drain(block=False)
+        with self._lock:
+            return self._drain(block=False)
 
     def wait_acks(self) -> list[WriteAck]:
         """Block until every queued write-back completed; return their acks."""
-        return self._drain(block=True)
+        with self._lock:
+            return self._drain(block=True)
 
     @property
     def pending_writes(self) -> int:
@@ -210,7 +219,8 @@ class HiCacheController:
 
     def free_host(self, host_indices: torch.Tensor) -> None:
         """Release host pages (eviction from the host tier)."""
-        self.allocator.free(host_indices)
+        with self._lock:
+            self.allocator.free(host_indices)
 
     def _drain(self, block: bool) -> list[WriteAck]:
         if self._unusable is not None:
@@ -287,74 +297,41 @@ class HiCacheController:
         Returns a handle whose ``wait_layer(i)`` orders the current stream after layer i.
         ``all_layers=True`` uses the all-layer (prefetch) operation: one event for all.
         """
-        self._check_usable()
-        h = check_index_tensor("host_indices", host_indices, "load")
-        d = check_index_tensor("device_indices", device_indices, "load")
-        n_layers = self.members[0].host.geometry.num_layers
-        try:
-            if all_layers:
-                events, completions, _ = self._submit(Op.LOAD_ALL, self.load_stream, h, d,
-                                                      [None])
-                events, completions = events * n_layers, completions * n_layers
-                signals = None
-            else:
-                events, completions, signals = self._submit(Op.LOAD_LAYER, self.load_stream, h,
-                                                            d, list(range(n_layers)))
-        except BaseException as exc:
-            raise self._failure("load", exc) from exc
-        return LoadHandle(events, completions, self.device, self._record_fault, signals)
+        with self._lock:
+            self._check_usable()
+            op = Op.LOAD_ALL if all_layers else Op.LOAD_LAYER
+            h, d = self.bound[(0, op)].check(host_indices, device_indices)
+            try:
+                subs = self._submit(op, self.load_stream, h, d)
+            except BaseException as exc:
+                raise self._failure("load", exc) from exc
+            return LoadHandle(subs, self.members[0].host.geometry.num_layers, self.device,
+                              self._record_fault)
 
     # -- internals -------------------------------------------------------------------------
 
-    def _check_all(self, op: Op, h: torch.Tensor, d: torch.Tensor,
-                   layer: int | None = 0) -> None:
-        from kvcore.validate import check_indices
-
-        for i, m in enumerate(self.members):
-            check_indices(self.plans[(i, op)], m.device, m.host, h, d, layer)
-
     def _submit(self, op: Op, stream: Any, h: torch.Tensor, d: torch.Tensor,
-                layers: list[int | None],
-                ) -> tuple[list[Any], list[list[Any]], LayerSignals | None]:
-        """Check the indices, order ``stream`` after the caller's stream, place the indices
-        once per pool-group member, then enqueue ``op`` for each of ``layers``.
-
-        Returns one completion event and one list of backend completions per layer, and the
-        LayerSignals of a per-layer load submitted as one job. That happens where the placed
-        variant has ``layer_signals`` and the group has one member (with several, each
-        member's job would hold back every layer of the next). Placing once keeps a
-        per-layer load from copying its indices again for every layer.
-        """
-        self._check_all(op, h, d, layers[0])
+                ) -> list[Submission]:
+        """Order ``stream`` after the caller's stream, then submit ``op`` for every
+        pool-group member (indices already checked). Each member's bound plan decides how
+        its layers go (one job, layer by layer, or signaled)."""
         if stream is not None:
             stream.wait_stream(current_stream(self.device))
             # the index tensors were made on the caller's stream and are used on ours
             for t in (h, d):
                 if t.device.type != "cpu":
                     t.record_stream(stream)
-        events: list[Any] = []
-        completions: list[list[Any]] = []
-        with on_stream(stream):
-            placed = [self.plans[(i, op)].place_for(m.host, h, d)
-                      for i, m in enumerate(self.members)]
-            if op is Op.LOAD_LAYER and len(placed) == 1 and placed[0].support.layer_signals:
-                m = self.members[0]
-                signals = self.plans[(0, op)].run_signaled(placed[0], m.device, m.host,
-                                                           stream=stream)
-                event = recorded_event(self.device, stream)
-                return [event] * len(layers), [[signals]] * len(layers), signals
-            for n, layer in enumerate(layers):
-                done = []
-                for i, m in enumerate(self.members):
-                    # every launch of one per-layer load after its first follows another
-                    result = self.plans[(i, op)].run(placed[i], m.device, m.host, layer=layer,
-                                                     stream=stream,
-                                                     chained=op is Op.LOAD_LAYER and n + i > 0)
-                    if result is not None:
-                        done.append(result)
-                events.append(recorded_event(self.device, stream))
-                completions.append(done)
-        return events, completions, None
+        members = range(len(self.members))
+        if op is not Op.LOAD_LAYER or len(self.members) == 1:
+            return [self.bound[(i, op)].submit(h, d, stream=stream, check=False)
+                    for i in members]
+        # a group's per-layer load goes layer by layer across members, so layer 0 of every
+        # member lands first (one member's signaled job would hold back the next member's);
+        # the indices are placed once, not once per layer
+        placed = [self.bound[(i, op)].place(h, d) for i in members]
+        return [self.bound[(i, op)].submit(*placed[i], layer=layer, stream=stream,
+                                           check=False, chained=layer + i > 0)
+                for layer in range(self.members[0].host.geometry.num_layers) for i in members]
 
     def _failure(self, what: str, exc: BaseException) -> BaseException:
         if isinstance(exc, (InvalidArgument, ControllerUnusable)) or not isinstance(
@@ -393,39 +370,6 @@ def _check_pair(i: int, m: PoolPair, first: PoolPair) -> None:
                                  f"host {g.size}/{g.page_size}, device {d.size}")
         if d.device != first.device.device:
             raise TensorMismatch(f"members[{i}].device", str(first.device.device), str(d.device))
-
-
-def _build_backend(plan: TransferPlan) -> None:
-    """Build the plan's backend now, so a kernel that cannot be built fails start-up."""
-    try:
-        plan.instance()
-    except KVCoreError:
-        raise
-    except Exception as exc:
-        raise BuildError(f"backend {plan.backend_name!r} could not be built for "
-                         f"{plan.request.device} ({plan.context}): "
-                         f"{type(exc).__name__}: {exc}") from exc
-
-
-def _check_plan_against_pools(plan: TransferPlan, m: PoolPair) -> None:
-    if plan.host_memory is HostMemory.PINNED and m.host.memory is not HostMemory.PINNED:
-        raise TensorMismatch("host_pool", f"pinned host memory for {plan.context}",
-                             f"{m.host.memory.value} memory; allocate it with "
-                             "HostPool.allocate so the backend chooses the allocator")
-    page_bytes = plan.page_bytes(m.host.geometry.page_size, m.host.geometry.num_layers)
-    support = plan.select(page_bytes)
-    align = support.element_alignment
-    for name, t in [("host_pool.buffer", m.host.buffer)] + [
-            (f"device_pool layer {i}", t) for i, t in enumerate(m.device.all_buffers())]:
-        if t.data_ptr() % align:
-            raise TensorMismatch(name, f"a data pointer aligned to {align} B for {plan.context}",
-                                 f"address {t.data_ptr():#x}")
-    if support.contiguous_pages:
-        from kvcore.layout import page_contiguous
-
-        if not page_contiguous(m.host.geometry):
-            raise TensorMismatch("host_pool", f"contiguous host pages for {plan.context} "
-                                 f"variant {support.variant}", "a layout whose pages are split")
 
 
 __all__ = ["CacheEvent", "HiCacheController", "LoadHandle", "PoolPair", "WriteAck",

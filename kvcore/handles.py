@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import torch
 
 from kvcore.errors import InvalidArgument, TransferFailed
-from kvcore.signals import LayerSignals
 from kvcore.streams import current_stream
+
+if TYPE_CHECKING:
+    from kvcore.bound import Submission
 
 
 @attrs.frozen
@@ -35,27 +37,24 @@ class PendingWrite:
 class LoadHandle:
     """A queued load. ``wait_layer(i)`` makes the current stream wait for layer ``i`` only.
 
-    A failed load is never reported as landed: once a layer's transfer is known to have
-    failed, every later ``wait_layer``/``wait``/``done`` raises the same TransferFailed.
-
-    ``events`` holds one event per layer, recorded after it (the same event for every layer
-    of a load submitted as one job); with ``signals`` (such a job's LayerSignals)
-    ``wait_layer`` waits for the layer's own signal instead of the event.
+    A failed load is never reported as landed: once the load is known to have failed (an
+    index the kernels refused, a fault), ``check``/``wait_layer``/``wait``/``done`` raise the
+    same TransferFailed. ``submissions`` holds one :class:`~kvcore.bound.Submission` per
+    pool-group member.
     """
 
-    def __init__(self, events: list[Any], completions: list[list[Any]], device: torch.device,
-                 on_failure: Callable[[BaseException], None],
-                 signals: LayerSignals | None = None) -> None:
-        self._events = events
-        self._signals = signals
-        self._completions: list[list[Any] | None] = list(completions)
+    def __init__(self, submissions: list[Submission], num_layers: int, device: torch.device,
+                 on_failure: Callable[[BaseException], None]) -> None:
+        self._submissions = submissions
+        self._num_layers = num_layers
         self._device = device
         self._on_failure = on_failure
         self._failure: TransferFailed | None = None
+        self._checked = False
 
     @property
     def num_layers(self) -> int:
-        return len(self._events)
+        return self._num_layers
 
     def wait_layer(self, layer: int) -> None:
         """Order the current stream after layer ``layer``'s load (returns at once on GPU).
@@ -63,45 +62,50 @@ class LoadHandle:
         On a device without streams the layer has already run, so its outcome is checked
         here and a failure raises TransferFailed.
         """
-        if not isinstance(layer, int) or not 0 <= layer < len(self._events):
-            raise InvalidArgument("layer", f"an int in [0, {len(self._events)})", repr(layer))
+        if not isinstance(layer, int) or not 0 <= layer < self._num_layers:
+            raise InvalidArgument("layer", f"an int in [0, {self._num_layers})", repr(layer))
         self._raise_failure()
-        event = self._events[layer]
-        if event is None:
-            self._check([layer])
-        elif self._signals is not None:
-            self._signals.wait_layer(layer, current_stream(self._device))
-        else:
-            current_stream(self._device).wait_event(event)
+        stream = current_stream(self._device)
+        if stream is None:
+            self._check()
+            return
+        for sub in self._submissions:
+            sub.wait_layer(layer, stream)
+
+    def check(self) -> None:
+        """Raise TransferFailed if the load is known to have failed; never blocks (a load
+        still in flight passes)."""
+        self._raise_failure()
+        if all(sub.query() for sub in self._submissions):
+            self._check()
 
     def done(self) -> bool:
-        """True when every layer has landed (raises TransferFailed if one failed)."""
+        """True when every layer has landed (raises TransferFailed if the load failed)."""
         self._raise_failure()
-        finished = all(e is None or e.query() for e in self._events)
+        finished = all(sub.query() for sub in self._submissions)
         if finished:
-            self._check(range(len(self._events)))
+            self._check()
         return finished
 
     def wait(self) -> None:
         """Block the host until every layer has landed (raises TransferFailed on failure)."""
         self._raise_failure()
-        for e in self._events:
-            if e is not None:
-                e.synchronize()
-        self._check(range(len(self._events)))
+        for sub in self._submissions:
+            sub.synchronize()
+        self._check()
 
     def _raise_failure(self) -> None:
         if self._failure is not None:
             raise self._failure
 
-    def _check(self, layers: Iterable[int]) -> None:
-        for layer in layers:
-            completions, self._completions[layer] = self._completions[layer], None
-            try:
-                for c in completions or ():
-                    c.check()
-            except Exception as exc:
-                self._on_failure(exc)
-                self._failure = TransferFailed(
-                    f"load failed at completion (layer {layer}): {exc}", exc)
-                raise self._failure from exc
+    def _check(self) -> None:
+        if self._checked:
+            return
+        try:
+            for sub in self._submissions:
+                sub.check()
+        except Exception as exc:
+            self._on_failure(exc)
+            self._failure = TransferFailed(f"load failed at completion: {exc}", exc)
+            raise self._failure from exc
+        self._checked = True

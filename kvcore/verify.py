@@ -86,19 +86,16 @@ def verify_plans(ctl: HiCacheController) -> None:
         for op, plan in plans.items():
             ref = ctl.registry.resolve(plan.request, REFERENCE)
             if op is Op.WRITE_BACK:
-                plan.transfer(dev, host, h, d)
-                ref.transfer(dev, ref_host, h, d)
+                subs = [plan.transfer(dev, host, h, d), ref.transfer(dev, ref_host, h, d)]
                 outcome = (host.buffer, ref_host.buffer)
             else:
                 target = _scratch_device(m.device, g, gen)
                 ref_target = target.clone()
-                layers = range(g.num_layers) if op is Op.LOAD_LAYER else [None]
-                for layer in layers:
-                    plan.transfer(target, host, h, d, layer=layer)
-                    ref.transfer(ref_target, host, h, d, layer=layer)
+                subs = [plan.transfer(target, host, h, d), ref.transfer(ref_target, host, h, d)]
                 outcome = (target, ref_target)
-            if m.device.device.type not in ("cpu", "meta"):
-                torch.get_device_module(m.device.device).synchronize(m.device.device)
+            for sub in subs:
+                sub.synchronize()
+                sub.check()
             if not _same_bytes(*outcome):
                 raise TransferFailed(
                     f"start-up verification: {plan.context} (member {i}, "

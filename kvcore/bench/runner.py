@@ -39,14 +39,13 @@ from kvcore.bench.machine import machine_facts
 from kvcore.bench.slowdown import CaseRun, Tolerances, slowdown
 from kvcore.bench.sweep import Case
 from kvcore.bench.timing import Clock, Timing, gib_per_s
+from kvcore.bound import Submission
 from kvcore.capabilities import Unavailable
 from kvcore.errors import InvalidArgument, KVCoreError
-from kvcore.layout import Op
-from kvcore.plan import PlacedIndices, TransferPlan
+from kvcore.plan import TransferPlan
 from kvcore.pools import DevicePool, HostPool
 from kvcore.registry import REFERENCE, Registry, make_request
 from kvcore.streams import current_stream, has_streams, new_stream, on_stream
-from kvcore.validate import check_indices
 from kvcore.verify import random_fill
 
 SCHEMA_ID = "kvcore.bench/1"
@@ -423,44 +422,44 @@ class Bench:
 
 
 class Call:
-    """The measured call of one row: one transfer (or one per layer) on index set ``i % n``."""
+    """The measured call of one row: one submit of the whole op on index set ``i % n``, with
+    the indices placed in advance where the variant wants them (the kernel path; the
+    controller rows time what an engine calls)."""
 
     def __init__(self, plan: TransferPlan, pools: tuple[DevicePool, HostPool],
                  sets: list[tuple[torch.Tensor, torch.Tensor]], case: Case) -> None:
         self.plan = plan
         self.device_pool, self.host_pool = pools
+        self.bound = plan.bind(*pools)
         self.case = case
         self.raw_sets = sets
-        self.placed: list[PlacedIndices] = []
-        self.completions: list[Any] = []
+        self.placed: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.submissions: list[Submission] = []
         self.stream = current_stream(self.device_pool.device)
 
     def prepare(self) -> str:
-        """Validate and place every index set; returns the variant the first one uses."""
-        layer = 0 if self.case.op is Op.LOAD_LAYER else None
+        """Check and place every index set; returns the variant the first one uses."""
         for h, d in self.raw_sets:
-            check_indices(self.plan, self.device_pool, self.host_pool, h, d, layer)
-            self.placed.append(self.plan.place_for(self.host_pool, h, d))
-        return self.placed[0].support.variant
+            self.bound.check(h, d)
+            self.placed.append(self.bound.place(h, d))
+        return self.bound.variant_for(*self.placed[0]).variant
 
     def check_and_run(self, i: int) -> str:
-        """Validate and place every index set, run set ``i``; returns the variant used."""
+        """Check and place every index set, run set ``i``; returns the variant used."""
         variant = self.prepare()
         self(i)
         return variant
 
     def __call__(self, i: int) -> None:
-        """One timed call on index set ``i % n``: indices placed once, as the controller
-        does, so a per-layer row times the per-layer calls alone."""
-        p = self.placed[i % len(self.placed)]
-        self.completions += self.plan.run_layers(p, self.device_pool, self.host_pool,
-                                                 stream=self.stream)
+        """One timed submit on index set ``i % n``."""
+        h, d = self.placed[i % len(self.placed)]
+        self.submissions.append(self.bound.submit(h, d, stream=self.stream))
 
     def check_completions(self) -> None:
         """Raise what an asynchronous failure reported (call after synchronising)."""
-        pending, self.completions = self.completions, []
-        for done in pending:
-            done.check()
+        pending, self.submissions = self.submissions, []
+        for sub in pending:
+            sub.check()
 
 
 def index_sets(case: Case, gen: torch.Generator,

@@ -27,11 +27,9 @@ from kvcore.layout import Geometry, Kind, Op, canonical_view, host_shape
 from kvcore.plan import TransferPlan
 from kvcore.pools import DevicePool, HostPool
 from kvcore.registry import Registry, make_request
-from kvcore.signals import LayerSignals
 from kvcore.streams import current_stream
 from kvcore.testing.cases import Case, page_bytes
 from kvcore.testing.recording import Received, RecordingBackend
-from kvcore.validate import check_indices
 from kvcore.verify import random_fill
 
 REFERENCE = "reference"
@@ -302,23 +300,17 @@ def resolve(env: Env, case: Case, op: Op, backend: str) -> TransferPlan:
 
 def transfer(env: Env, case: Case, rig: Rig, op: Op, backend: str, h: torch.Tensor,
              d: torch.Tensor) -> None:
-    """Run ``op`` over every layer and wait for it. A load_layer is one call per layer, as the
-    controller issues it: indices checked for each layer, placed once, and every call after
-    the first marked ``chained`` (so a backend that reads early is tested doing so); on a
-    ``layer_signals`` variant it is one call for every layer, whose signals the current
-    stream then waits on layer by layer."""
+    """Run ``op`` over every layer through the one submit, as the controller issues it, and
+    wait for it: a per-layer load goes layer by layer (every call after the first marked
+    ``chained``, so a backend that reads early is tested doing so) or, on a ``layer_signals``
+    variant, as one call whose signals the current stream then waits on layer by layer."""
     plan = resolve(env, case, op, backend)
-    pools = rig.device_pool, rig.host_pool
-    for layer in range(case.num_layers) if op is Op.LOAD_LAYER else [None]:
-        check_indices(plan, *pools, h, d, layer)
-    done = plan.run_layers(plan.place_for(rig.host_pool, h, d), *pools)
+    sub = plan.transfer(rig.device_pool, rig.host_pool, h, d)
     stream = current_stream(env.device)
-    for signals in (c for c in done if isinstance(c, LayerSignals)):
-        for layer in range(case.num_layers):  # as a consumer would, layer by layer
-            signals.wait_layer(layer, stream)
+    for layer in sub.layers:  # as a consumer would, layer by layer
+        sub.wait_layer(layer, stream)
     synchronize(env.device)
-    for completion in done:
-        completion.check()
+    sub.check()
 
 
 def run_backend(env: Env, case: Case, rig: Rig, op: Op, h: torch.Tensor,

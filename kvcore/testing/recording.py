@@ -15,8 +15,8 @@ import attrs
 import torch
 
 from kvcore.backend import Completion, TransferBackend, TransferJob
-from kvcore.capabilities import BackendSpec, HostMemory, IndexSpec
-from kvcore.plan import dtype_name, residency_device
+from kvcore.capabilities import BackendSpec, HostMemory, IndexSpec, residency_device
+from kvcore.plan import dtype_name
 from kvcore.registry import Registry
 
 

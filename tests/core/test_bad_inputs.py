@@ -120,9 +120,9 @@ CASES: list[tuple[str, Call, type[KVCoreError], str]] = [
      InvalidIndices, "device_indices"),
     ("load_all mismatched lengths", lambda c: c.load(tok(0), D8, all_layers=True),
      InvalidIndices, "device_indices"),
-    # a plan used directly: the layer number of a per-layer load
+    # a plan used directly: the layer number of a per-layer load (None: every layer)
     *[(f"load_layer layer={layer!r}", functools.partial(_load_layer, layer=layer),
-       InvalidArgument, "layer") for layer in (None, -1, LAYERS, 1.0)],
+       InvalidArgument, "layer") for layer in (-1, LAYERS, 1.0, "0")],
 ]
 
 

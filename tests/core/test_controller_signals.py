@@ -17,6 +17,7 @@ from kvio_reference.backend import ReferenceBackend
 from kvcore.capabilities import BackendSpec
 from kvcore.controller import HiCacheController
 from kvcore.errors import ContractViolation, TransferFailed
+from kvcore.bound import Submission
 from kvcore.handles import LoadHandle
 from kvcore.layout import Kind, Layout, Op
 from kvcore.registry import Registry
@@ -143,16 +144,29 @@ class Event:
         pass
 
 
-def test_a_handle_with_signals_waits_on_the_layers_own_signal_and_checks_it_once() -> None:
+def _handle(signals: Signals, failures: list[BaseException]) -> LoadHandle:
+    sub = Submission(dict.fromkeys(range(LAYERS), signals), Event(), [signals])
+    return LoadHandle([sub], LAYERS, torch.device("cpu"), failures.append)
+
+
+def test_a_submission_with_signals_waits_on_the_layers_own_signal() -> None:
+    signals = Signals()
+    sub = Submission(dict.fromkeys(range(LAYERS), signals), Event(), [signals])
+    sub.wait_layer(2, "stream")
+    sub.wait_layer(0, "stream")
+    assert signals.waits == [(2, "stream"), (0, "stream")]
+    assert sub.query() and signals.checks == 0
+
+
+def test_a_handle_checks_a_signaled_load_once() -> None:
     signals, failures = Signals(), []
-    event = Event()
-    handle = LoadHandle([event] * LAYERS, [[signals]] * LAYERS, torch.device("cpu"),
-                        failures.append, signals)
-    handle.wait_layer(2)
+    handle = _handle(signals, failures)
+    handle.wait_layer(2)  # on the CPU the load already ran: its outcome is checked here
     handle.wait_layer(0)
-    assert signals.waits == [(2, None), (0, None)]  # the CPU's current stream is None
+    assert signals.waits == []  # the CPU has no stream to order
     assert handle.done()
-    assert signals.checks == LAYERS and failures == []
+    handle.check()
+    assert signals.checks == 1 and failures == []
 
 
 def test_a_failed_signaled_load_fails_every_later_wait() -> None:
@@ -161,10 +175,11 @@ def test_a_failed_signaled_load_fails_every_later_wait() -> None:
             raise RuntimeError("device said no")
 
     signals, failures = Failing(), []
-    handle = LoadHandle([Event()] * LAYERS, [[signals]] * LAYERS, torch.device("cpu"),
-                        failures.append, signals)
+    handle = _handle(signals, failures)
     with pytest.raises(TransferFailed, match="device said no"):
         handle.wait()
     with pytest.raises(TransferFailed):
         handle.wait_layer(0)
+    with pytest.raises(TransferFailed):
+        handle.check()
     assert len(failures) == 1

@@ -171,8 +171,7 @@ def test_kvio_cuda_stages_all_layer_loads_of_contiguous_pages_of_64_kib_and_more
         contiguous = layout in (Layout.PAGE_FIRST, Layout.PAGE_FIRST_DIRECT, Layout.PAGE_HEAD)
         assert plan.select(64 << 10).variant == ("staged" if contiguous else "direct"), layout
         assert plan.select((64 << 10) - 16).variant == "direct", layout
-        assert plan.place(torch.arange(64), torch.arange(64), 1 << 20).support.variant == (
-            "staged" if contiguous else "direct"), layout
+        assert plan.select(1 << 20).variant == ("staged" if contiguous else "direct"), layout
 
 
 def test_direct_load_of_one_layer_passes_that_layer_and_both_index_widths() -> None:
@@ -250,7 +249,7 @@ def test_kvio_cuda_loads_128_kib_layer_slices_by_the_copy_engine_and_smaller_one
         assert plan.select(32 << 10).variant == "signaled", layout
 
 
-def test_run_layers_issues_a_per_layer_load_layer_by_layer_chained_after_the_first() -> None:
+def test_submit_issues_a_per_layer_load_layer_by_layer_chained_after_the_first() -> None:
     from kvcore.capabilities import HostMemory
     from kvcore.native import native_ops
     from kvcore.plan import TransferPlan
@@ -263,12 +262,12 @@ def test_run_layers_issues_a_per_layer_load_layer_by_layer_chained_after_the_fir
         lib.calls.clear()
         req = make_request(op, "mha", "page_first", torch.bfloat16, 256, "cpu")
         plan = TransferPlan(request=req, backend_name="native", backend_version="0",
-                            host_memory=HostMemory.PINNED,
+                            host_memory=HostMemory.PLAIN,
                             variants=tuple(s for s in native_ops() if s.op is op),
                             instance=lambda: backend)
         h, d = torch.arange(16, 32), torch.arange(16)
-        placed = plan.place_for(host, h, d)
-        assert plan.run_layers(placed, dev, host) == []  # the native backend returns None
+        sub = plan.bind(dev, host).submit(h, d)
+        assert sub.completions == []  # the native backend returns None
         assert [(name, args[3]) for name, args in lib.calls] == expected
 
 
@@ -371,20 +370,19 @@ def _signaled_plan(backend: Any) -> Any:
 
     req = make_request(Op.LOAD_LAYER, "mha", "page_first", torch.bfloat16, 256, "cpu")
     return TransferPlan(request=req, backend_name="native", backend_version="0",
-                        host_memory=HostMemory.PINNED,
+                        host_memory=HostMemory.PLAIN,
                         variants=tuple(s for s in native_ops(signaled_load=True)
                                        if s.op is Op.LOAD_LAYER),
                         instance=lambda: backend)
 
 
-def test_run_layers_on_a_signaled_variant_is_one_job_for_every_layer() -> None:
+def test_submit_on_a_signaled_variant_is_one_job_for_every_layer() -> None:
     from kvcore.native import NativeLayerSignals
 
     backend, lib, dev, host = _setup("page_first")
     plan = _signaled_plan(backend)
-    done = plan.run_layers(plan.place_for(host, torch.arange(16, 32), torch.arange(16)), dev,
-                           host)
-    assert len(done) == 1 and isinstance(done[0], NativeLayerSignals)
+    sub = plan.bind(dev, host).submit(torch.arange(16, 32), torch.arange(16))
+    assert len(sub.completions) == 1 and isinstance(sub.completions[0], NativeLayerSignals)
     assert [name for name, _ in lib.calls] == ["signaled"]
 
 
@@ -399,6 +397,6 @@ def test_a_signaled_variant_that_returns_no_signals_breaks_the_contract() -> Non
 
     plan = _signaled_plan(Forgetful())
     _, _, dev, host = _setup("page_first")
-    placed = plan.place_for(host, torch.arange(16, 32), torch.arange(16))
+    bound = plan.bind(dev, host)
     with pytest.raises(ContractViolation, match=r"layer_signals.*returned NoneType"):
-        plan.run_layers(placed, dev, host)
+        bound.submit(torch.arange(16, 32), torch.arange(16))

@@ -7,11 +7,12 @@ import itertools
 import pytest
 import torch
 
-from kvcore.capabilities import IndexSpec, OpSupport, Residency
+from kvcore.bound import BoundPlan
+from kvcore.capabilities import HostMemory, IndexSpec, OpSupport, Residency, residency_device
 from kvcore.controller import HiCacheController
 from kvcore.errors import NoBackend
-from kvcore.layout import Kind, Layout, Op
-from kvcore.plan import residency_device
+from kvcore.layout import Geometry, Kind, Layout, Op, host_shape
+from kvcore.pools import DevicePool, HostPool
 from kvcore.registry import Registry, make_request
 from kvcore.verify import random_fill
 
@@ -109,36 +110,50 @@ def test_run_receives_what_the_entry_declares(resid: tuple[Registry, list[Receiv
         assert torch.equal(now[back].view(torch.uint8), was[d].view(torch.uint8))
 
 
+def _bound(reg: Registry, kind: Kind, layout: Layout, op: Op, page_size: int,
+           device: torch.device) -> BoundPlan:
+    """The "resid" plan bound to pools of ``page_size`` on ``device`` (a CPU host pool)."""
+    head_num, head_dim = (2, 8) if kind is Kind.MHA else (1, 16)
+    plan = reg.resolve(make_request(op, kind, layout, torch.bfloat16, 32, device),
+                       backend="resid")
+    size = 4 * page_size
+    dev = DevicePool.allocate(kind, NUM_LAYERS, size, head_num, head_dim, torch.bfloat16,
+                              device, page_size)
+    g = Geometry(kind, layout, NUM_LAYERS, size, head_num, head_dim, page_size)
+    host = HostPool(g, torch.empty(host_shape(g), dtype=torch.bfloat16), HostMemory.PLAIN)
+    return plan.bind(dev, host)
+
+
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
-@pytest.mark.parametrize("variant", ["small", "large"])
+@pytest.mark.parametrize(("page_size", "variant"), [(SMALL_PAGE, "small"),
+                                                    (LARGE_PAGE, "large")])
 @pytest.mark.parametrize("op", list(Op))
 @pytest.mark.parametrize(("kind", "layout"), KIND_LAYOUTS)
 def test_place_moves_indices_to_the_declared_device(resid: tuple[Registry, list[Received]],
                                                     kind: Kind, layout: Layout, op: Op,
-                                                    variant: str,
+                                                    page_size: int, variant: str,
                                                     index_dtype: torch.dtype) -> None:
     """On a device that is not the CPU (meta here), host and device residency differ."""
     reg, _ = resid
     meta = torch.device("meta")
-    plan = reg.resolve(make_request(op, kind, layout, torch.bfloat16, 32, meta),
-                       backend="resid")
-    page_bytes = WINDOW - 1 if variant == "small" else WINDOW
+    bound = _bound(reg, kind, layout, op, page_size, meta)
     h = torch.arange(8, dtype=index_dtype)
     d = torch.arange(8, dtype=index_dtype)
-    placed = plan.place(h, d, page_bytes)
+    support = bound.variant_for(h, d)
+    placed_h, placed_d = bound.place(h, d)
     host_spec, dev_spec = DECLARED[(op, layout, variant)]
-    assert placed.support.variant == variant
-    assert placed.support.host_index == host_spec
-    assert placed.host.device == residency_device(host_spec.residency, meta)
-    assert placed.device.device == residency_device(dev_spec.residency, meta)
-    assert placed.host.device.type == ("cpu" if host_spec.residency is Residency.HOST
-                                       else "meta")
-    assert placed.device.device.type == ("cpu" if dev_spec.residency is Residency.HOST
-                                         else "meta")
-    assert placed.host.dtype == _expected_dtype(index_dtype, host_spec)
-    assert placed.device.dtype == _expected_dtype(index_dtype, dev_spec)
-    if placed.host.device.type == "cpu":
-        assert torch.equal(placed.host.to(torch.int64), h.to(torch.int64))
+    assert support.variant == variant
+    assert support.host_index == host_spec
+    assert placed_h.device == residency_device(host_spec.residency, meta)
+    assert placed_d.device == residency_device(dev_spec.residency, meta)
+    assert placed_h.device.type == ("cpu" if host_spec.residency is Residency.HOST
+                                    else "meta")
+    assert placed_d.device.type == ("cpu" if dev_spec.residency is Residency.HOST
+                                    else "meta")
+    assert placed_h.dtype == _expected_dtype(index_dtype, host_spec)
+    assert placed_d.dtype == _expected_dtype(index_dtype, dev_spec)
+    if placed_h.device.type == "cpu":
+        assert torch.equal(placed_h.to(torch.int64), h.to(torch.int64))
 
 
 def test_residency_device() -> None:
@@ -150,15 +165,15 @@ def test_residency_device() -> None:
 
 def test_place_keeps_tensors_that_already_fit(resid: tuple[Registry, list[Received]]) -> None:
     reg, _ = resid
-    plan = reg.resolve(make_request("write_back", "mha", "page_first", torch.bfloat16, 32,
-                                    "cpu"), backend="resid")
-    support = plan.select(0)
+    bound = _bound(reg, Kind.MHA, Layout.PAGE_FIRST, Op.WRITE_BACK, SMALL_PAGE,
+                   torch.device("cpu"))
+    support = bound.support
     h = torch.arange(4, dtype=support.host_index.dtypes[0])
     d = torch.arange(4, dtype=support.device_index.dtypes[0])
-    placed = plan.place(h, d, 0)
-    assert placed.host is h and placed.device is d
+    placed_h, placed_d = bound.place(h, d)
+    assert placed_h is h and placed_d is d
     strided = torch.arange(8, dtype=support.host_index.dtypes[0])[::2]
-    out = plan.place(strided, d, 0).host
+    out = bound.place(strided, d)[0]
     assert out.is_contiguous() and torch.equal(out, strided)
 
 

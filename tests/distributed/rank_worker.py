@@ -142,7 +142,7 @@ WRITES = 3
 
 def acks(rank: int, world: int, odd_rank: int, timeout_s: float) -> object:
     """Write 3 batches; complete them at different times per rank; record every poll."""
-    import kvcore.controller as controller_module
+    import kvcore.bound as controller_module  # where the submit records its events
 
     gate = _Gate()
     real_recorded_event = controller_module.recorded_event
