@@ -45,10 +45,11 @@ class Submission:
     """What one :meth:`BoundPlan.submit` enqueued.
 
     ``wait_layer(layer, stream)`` orders ``stream`` after one layer of a load (enqueues the
-    wait and returns; a layer this submission did not move needs no wait); ``query()`` says without blocking whether everything enqueued has
-    finished, ``synchronize()`` blocks until it has, and ``check()`` raises the transfer's
-    failure (a :class:`~kvcore.errors.KVCoreError`) once it has finished. On a device without
-    streams everything already ran when ``submit`` returned.
+    wait and returns; a layer this submission did not move needs no wait). ``query()`` says
+    without blocking whether everything enqueued has finished, ``synchronize()`` blocks
+    until it has, and ``check()`` raises the transfer's failure (a
+    :class:`~kvcore.errors.KVCoreError`) once it has finished. On a device without streams
+    everything already ran when ``submit`` returned.
     """
 
     __slots__ = ("_waits", "completions", "event")

@@ -14,10 +14,10 @@ import pytest
 import torch
 from kvio_reference.backend import ReferenceBackend
 
+from kvcore.bound import Submission
 from kvcore.capabilities import BackendSpec
 from kvcore.controller import HiCacheController
 from kvcore.errors import ContractViolation, TransferFailed
-from kvcore.bound import Submission
 from kvcore.handles import LoadHandle
 from kvcore.layout import Kind, Layout, Op
 from kvcore.registry import Registry
