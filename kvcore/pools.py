@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 
 import attrs
+import numpy as np
 import torch
 
 from kvcore.capabilities import HostMemory
@@ -125,7 +127,9 @@ class SlotAllocator:
     """Page-granular allocator of host token slots, detecting double allocation and free.
 
     Slots are handed out in whole pages; a page's ``page_size`` slots are contiguous. Indices
-    are int64 token indices on the CPU.
+    are int64 token indices on the CPU. Safe for concurrent callers (controllers sharing a
+    host pool, threads sharing a controller): each call holds a lock for its few
+    microseconds.
     """
 
     def __init__(self, size: int, page_size: int) -> None:
@@ -136,7 +140,9 @@ class SlotAllocator:
         self.page_size = page_size
         self.num_pages = size // page_size
         self._free = list(range(self.num_pages - 1, -1, -1))  # pop() yields low pages first
-        self._taken = torch.zeros(self.num_pages, dtype=torch.bool)
+        self._taken = np.zeros(self.num_pages, dtype=np.bool_)
+        self._ramp = np.arange(page_size, dtype=np.int64)
+        self._lock = threading.Lock()
 
     def available_size(self) -> int:
         """Free token slots."""
@@ -148,52 +154,53 @@ class SlotAllocator:
             raise InvalidArgument("num_tokens", f"a non-negative multiple of page_size "
                                   f"{self.page_size}", str(num_tokens))
         n = num_tokens // self.page_size
-        if n > len(self._free):
-            raise AllocatorError(f"host pool full: {num_tokens} slots requested, "
-                                 f"{self.available_size()} free of {self.size}")
-        pages = [self._free[-1 - i] for i in range(n)]
-        pt = torch.tensor(pages, dtype=torch.int64)
-        if n and bool(self._taken[pt].any()):
-            raise AllocatorError(f"double allocation: free list holds taken page "
-                                 f"{pages[int(torch.nonzero(self._taken[pt])[0])]}")
-        del self._free[len(self._free) - n:]
-        self._taken[pt] = True
-        return self._expand(pt)
+        with self._lock:
+            if n > len(self._free):
+                raise AllocatorError(f"host pool full: {num_tokens} slots requested, "
+                                     f"{self.available_size()} free of {self.size}")
+            pages = np.array(self._free[len(self._free) - n:][::-1], dtype=np.int64)
+            taken = self._taken[pages]
+            if taken.any():
+                raise AllocatorError(f"double allocation: free list holds taken page "
+                                     f"{int(pages[np.flatnonzero(taken)[0]])}")
+            del self._free[len(self._free) - n:]
+            self._taken[pages] = True
+        return torch.from_numpy((pages[:, None] * self.page_size + self._ramp).reshape(-1))
 
     def free(self, indices: torch.Tensor) -> None:
         """Return whole pages; freeing a page that is not allocated raises and frees nothing."""
         pages = self._pages_of("indices", indices)
-        if pages.numel() == 0:
+        if pages.size == 0:
             return
-        if pages.unique().numel() != pages.numel():
+        if np.unique(pages).size != pages.size:
             raise AllocatorError("double free: the same page appears twice in one free() call")
-        free_now = ~self._taken[pages]
-        if bool(free_now.any()):
-            page = int(pages[torch.nonzero(free_now)[0]])
-            raise AllocatorError(f"double free: page {page} (slots {page * self.page_size}.."
-                                 f"{(page + 1) * self.page_size - 1}) is not allocated")
-        self._taken[pages] = False
-        self._free.extend(reversed(pages.tolist()))
+        with self._lock:
+            free_now = ~self._taken[pages]
+            if free_now.any():
+                page = int(pages[np.flatnonzero(free_now)[0]])
+                raise AllocatorError(f"double free: page {page} (slots "
+                                     f"{page * self.page_size}.."
+                                     f"{(page + 1) * self.page_size - 1}) is not allocated")
+            self._taken[pages] = False
+            self._free.extend(reversed(pages.tolist()))
 
     def is_allocated(self, indices: torch.Tensor) -> bool:
         pages = self._pages_of("indices", indices)
-        return bool(self._taken[pages].all())
+        with self._lock:
+            return bool(self._taken[pages].all())
 
     def state(self) -> AllocatorState:
-        return AllocatorState(tuple(self._free),
-                              tuple(torch.nonzero(self._taken).flatten().tolist()))
+        with self._lock:
+            return AllocatorState(tuple(self._free),
+                                  tuple(np.flatnonzero(self._taken).tolist()))
 
-    def _pages_of(self, name: str, indices: torch.Tensor) -> torch.Tensor:
+    def _pages_of(self, name: str, indices: torch.Tensor) -> np.ndarray:
         t = check_index_tensor(name, indices).cpu().to(torch.int64)
         if t.numel() and (int(t.min()) < 0 or int(t.max()) >= self.size):
             raise AllocatorError(f"{name}: expected slots in [0, {self.size}), got "
                                  f"{int(t.min())}..{int(t.max())}")
         check_pages(name, t, self.page_size)
-        return t.view(-1, self.page_size)[:, 0] // self.page_size
-
-    def _expand(self, pages: torch.Tensor) -> torch.Tensor:
-        ramp = torch.arange(self.page_size, dtype=torch.int64)
-        return (pages[:, None] * self.page_size + ramp).flatten()
+        return t.numpy().reshape(-1, self.page_size)[:, 0] // self.page_size
 
 
 class HostPool:
