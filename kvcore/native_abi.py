@@ -19,11 +19,12 @@ from typing import Any
 
 from kvcore.errors import BuildError, InvalidArgument, KernelError
 
-__all__ = ["ABI_VERSION", "KvioLayout", "NativeLibrary", "OPTIONAL_PROTOTYPES", "PROTOTYPES",
-           "make_layout"]
+__all__ = ["ABI_VERSION", "REPORT_BYTES", "KvioBounds", "KvioLayout", "KvioReport",
+           "NativeLibrary", "OPTIONAL_PROTOTYPES", "PROTOTYPES", "make_bounds", "make_layout",
+           "unchecked_bounds"]
 
 #: the ABI version this binding speaks (kvio_abi_version() must return it)
-ABI_VERSION = 1
+ABI_VERSION = 2
 
 _LAYOUT_FIELDS = ("kv_stride", "layer_stride", "page_stride", "token_stride", "chunk_stride",
                   "page_size", "chunk_bytes", "num_chunks")
@@ -31,6 +32,8 @@ _LAYOUT_FIELDS = ("kv_stride", "layer_stride", "page_stride", "token_stride", "c
 _INT32 = (-(1 << 31), (1 << 31) - 1)
 _INT64 = (-(1 << 63), (1 << 63) - 1)
 _UINT32 = (0, (1 << 32) - 1)
+_UINT64 = (0, (1 << 64) - 1)
+_COUNT = (0, (1 << 63) - 1)
 _PTR = (0, (1 << 64) - 1)
 
 
@@ -78,6 +81,78 @@ def make_layout(layout: KvioLayout | Mapping[str, int]) -> KvioLayout:
                           type(layout).__name__)
 
 
+class KvioReport(ctypes.Structure):
+    """Mirror of ``struct kvio_report`` (32 bytes): where the kernels record an out-of-range
+    device-resident index. It lives in pinned host memory the kernels store to; the library
+    writes a field pair (value first, then epoch) only on a violation, and Python reads it
+    after the transfer's stream event has completed (docs/native-abi.md)."""
+
+    _fields_ = [("host_epoch", ctypes.c_uint64), ("host_value", ctypes.c_int64),
+                ("device_epoch", ctypes.c_uint64), ("device_value", ctypes.c_int64)]
+
+
+#: bytes of one kvio_report, and the byte offsets of its fields
+REPORT_BYTES = ctypes.sizeof(KvioReport)
+REPORT_HOST_EPOCH = KvioReport.host_epoch.offset
+REPORT_HOST_VALUE = KvioReport.host_value.offset
+REPORT_DEVICE_EPOCH = KvioReport.device_epoch.offset
+REPORT_DEVICE_VALUE = KvioReport.device_value.offset
+assert REPORT_BYTES == 32 and REPORT_DEVICE_VALUE == 24
+
+
+class KvioBounds(ctypes.Structure):
+    """Mirror of ``struct kvio_bounds``, passed by pointer (read during the call only).
+
+    Valid host indices are ``[0, host_tokens)``, valid device indices ``[0, device_tokens)``;
+    ``report`` is the address of a :class:`KvioReport` in pinned host memory (never 0),
+    ``epoch`` the value stored into its ``*_epoch`` field on a violation.
+    """
+
+    _fields_ = [("host_tokens", ctypes.c_int64), ("device_tokens", ctypes.c_int64),
+                ("report", ctypes.c_uint64), ("epoch", ctypes.c_uint64)]
+
+    def __repr__(self) -> str:
+        return (f"KvioBounds(host_tokens={self.host_tokens}, device_tokens="
+                f"{self.device_tokens}, report={self.report:#x}, epoch={self.epoch})")
+
+
+def make_bounds(host_tokens: int, device_tokens: int, report: int, epoch: int) -> KvioBounds:
+    """A KvioBounds from checked ints: token counts >= 0, a nonzero report address, a 64-bit
+    unsigned epoch; anything else raises InvalidArgument."""
+    bounds = KvioBounds(host_tokens=_int("bounds.host_tokens", host_tokens, _COUNT),
+                        device_tokens=_int("bounds.device_tokens", device_tokens, _COUNT),
+                        report=_int("bounds.report", report, _PTR),
+                        epoch=_int("bounds.epoch", epoch, _UINT64))
+    if bounds.report == 0:
+        raise InvalidArgument("bounds.report", "the address of a kvio_report", "0 (NULL)")
+    return bounds
+
+
+# The report of the unchecked bounds: a buffer the binding owns for the life of the process.
+# Nothing can store to it but a kernel that finds a negative index, which v1 callers (they
+# validate index values on the CPU first) never pass.
+_UNCHECKED_REPORT = KvioReport()
+_UNCHECKED = KvioBounds(host_tokens=_INT64[1], device_tokens=_INT64[1],
+                        report=ctypes.addressof(_UNCHECKED_REPORT), epoch=0)
+
+
+def unchecked_bounds() -> KvioBounds:
+    """The bounds a method passes when called with ``bounds=None``: every non-negative index
+    is in range (INT64_MAX tokens on both sides), the report a static dummy the binding owns.
+    For callers that have validated every index value on the CPU (the v1 contract)."""
+    return _UNCHECKED
+
+
+def _bounds(bounds: KvioBounds | None) -> KvioBounds:
+    if bounds is None:
+        return _UNCHECKED
+    if not isinstance(bounds, KvioBounds):
+        raise InvalidArgument("bounds", "a KvioBounds or None", type(bounds).__name__)
+    if bounds.report == 0:
+        raise InvalidArgument("bounds.report", "the address of a kvio_report", "0 (NULL)")
+    return bounds
+
+
 def _int(name: str, value: Any, bounds: tuple[int, int]) -> int:
     lo, hi = bounds
     if type(value) is int and lo <= value <= hi:  # the per-call common case, kept cheap
@@ -106,6 +181,7 @@ def _flag(name: str, value: Any) -> int:
 
 
 _c = ctypes
+_BOUNDS_P = ctypes.POINTER(KvioBounds)
 #: name -> (restype, argtypes) of every function the library exports
 PROTOTYPES: dict[str, tuple[Any, tuple[Any, ...]]] = {
     "kvio_abi_version": (_c.c_int, ()),
@@ -125,6 +201,7 @@ PROTOTYPES: dict[str, tuple[Any, tuple[Any, ...]]] = {
         _c.c_int,       # dev_idx_64
         _c.c_int64,     # n_tokens
         _c.c_void_p,    # stream
+        _BOUNDS_P,      # bounds (const kvio_bounds*, read during the call)
     )),
     "kvio_write_back_staged": (_c.c_int, (
         _c.c_void_p,    # k_ptrs
@@ -140,6 +217,7 @@ PROTOTYPES: dict[str, tuple[Any, tuple[Any, ...]]] = {
         _c.c_int64,     # staging_bytes
         _c.c_int,       # use_batched
         _c.c_void_p,    # stream
+        _BOUNDS_P,      # bounds (const kvio_bounds*, read during the call)
     )),
 }
 
@@ -160,6 +238,7 @@ OPTIONAL_PROTOTYPES: dict[str, tuple[Any, tuple[Any, ...]]] = {
         _c.c_int64,     # n_tokens
         _c.c_int,       # use_batched
         _c.c_void_p,    # stream
+        _BOUNDS_P,      # bounds (const kvio_bounds*, read during the call)
     )),
     # the signaled per-layer load: every layer in one launch, one ready flag per layer
     "kvio_has_layer_signals": (_c.c_int, ()),
@@ -178,6 +257,7 @@ OPTIONAL_PROTOTYPES: dict[str, tuple[Any, tuple[Any, ...]]] = {
         _c.c_void_p,    # flags (uint32 x num_layers, device)
         _c.c_uint32,    # epoch
         _c.c_void_p,    # stream
+        _BOUNDS_P,      # bounds (const kvio_bounds*, read during the call)
     )),
     "kvio_wait_layer_signal": (_c.c_int, (
         _c.c_void_p,    # flag (device address of one uint32)
@@ -295,7 +375,8 @@ class NativeLibrary:
                         layer_begin: int, layer_count: int, host_base: int,
                         layout: KvioLayout | Mapping[str, int], host_idx: int,
                         host_idx_64: int, dev_idx: int, dev_idx_64: int, n_tokens: int,
-                        stream: int | None, chained: bool = False) -> None:
+                        stream: int | None, chained: bool = False,
+                        bounds: KvioBounds | None = None) -> None:
         """``kvio_transfer_direct``: copy layers [layer_begin, layer_begin + layer_count) of
         ``n_tokens`` token pairs; direction 0 = device -> host, 1 = host -> device.
 
@@ -303,8 +384,10 @@ class NativeLibrary:
         ``chained`` calls ``kvio_transfer_direct_chained`` where the library has it (else the
         plain function, which is always correct): the caller vouches that the work just before
         this call on ``stream`` is an earlier call of the same transfer, writing nothing this
-        one reads (docs/native-abi.md). Raises InvalidArgument before any call for an argument
-        out of range, KernelError when the library returns a nonzero status.
+        one reads (docs/native-abi.md). ``bounds`` (a :class:`KvioBounds`) lets the kernels skip
+        and report an out-of-range index; None: :func:`unchecked_bounds`. Raises
+        InvalidArgument before any call for an argument out of range, KernelError when the
+        library returns a nonzero status.
         """
         if direction not in (0, 1):
             raise InvalidArgument("direction", "0 (device -> host) or 1 (host -> device)",
@@ -326,6 +409,7 @@ class NativeLibrary:
             _flag("dev_idx_64", dev_idx_64),
             _int("n_tokens", n_tokens, _INT64),
             _ptr("stream", stream),
+            _bounds(bounds),
         )
         self.check(name, status)
 
@@ -333,7 +417,7 @@ class NativeLibrary:
                           host_base: int, layout: KvioLayout | Mapping[str, int],
                           host_idx_cpu: int, dev_idx: int, dev_idx_64: int, n_tokens: int,
                           staging: int, staging_bytes: int, use_batched: int | bool,
-                          stream: int | None) -> None:
+                          stream: int | None, bounds: KvioBounds | None = None) -> None:
         """``kvio_write_back_staged``: all layers of whole pages, gathered into ``staging``
         (device, ``staging_bytes``) as the host page image and copied to the host page by page
         (batched when ``use_batched`` and the runtime has it).
@@ -345,13 +429,13 @@ class NativeLibrary:
         """
         self._staged("kvio_write_back_staged", k_ptrs, v_ptrs, num_layers, host_base, layout,
                      host_idx_cpu, dev_idx, dev_idx_64, n_tokens, staging, staging_bytes,
-                     use_batched, stream)
+                     use_batched, stream, bounds)
 
     def load_all_staged(self, k_ptrs: int, v_ptrs: int | None, num_layers: int,
                         host_base: int, layout: KvioLayout | Mapping[str, int],
                         host_idx_cpu: int, dev_idx: int, dev_idx_64: int, n_tokens: int,
                         staging: int, staging_bytes: int, use_batched: int | bool,
-                        stream: int | None) -> None:
+                        stream: int | None, bounds: KvioBounds | None = None) -> None:
         """``kvio_load_all_staged`` (optional): :meth:`write_back_staged` the other way, whole
         host pages copied into ``staging`` (batched when ``use_batched`` and the runtime has
         it), then scattered into the device pool. Same arguments; raises BuildError when the
@@ -362,12 +446,13 @@ class NativeLibrary:
                              f"library; rebuild the {self.name} library)")
         self._staged("kvio_load_all_staged", k_ptrs, v_ptrs, num_layers, host_base, layout,
                      host_idx_cpu, dev_idx, dev_idx_64, n_tokens, staging, staging_bytes,
-                     use_batched, stream)
+                     use_batched, stream, bounds)
 
     def _staged(self, function: str, k_ptrs: int, v_ptrs: int | None, num_layers: int,
                 host_base: int, layout: KvioLayout | Mapping[str, int], host_idx_cpu: int,
                 dev_idx: int, dev_idx_64: int, n_tokens: int, staging: int,
-                staging_bytes: int, use_batched: int | bool, stream: int | None) -> None:
+                staging_bytes: int, use_batched: int | bool, stream: int | None,
+                bounds: KvioBounds | None) -> None:
         status = getattr(self._lib, function)(
             _ptr("k_ptrs", k_ptrs),
             _ptr("v_ptrs", v_ptrs),
@@ -382,13 +467,14 @@ class NativeLibrary:
             _int("staging_bytes", staging_bytes, _INT64),
             _flag("use_batched", use_batched),
             _ptr("stream", stream),
+            _bounds(bounds),
         )
         self.check(function, status)
 
     def load_layer_dma(self, k_dst: int, v_dst: int | None, layer: int, host_base: int,
                        layout: KvioLayout | Mapping[str, int], host_idx_cpu: int,
                        dev_idx_cpu: int, n_tokens: int, use_batched: int | bool,
-                       stream: int | None) -> None:
+                       stream: int | None, bounds: KvioBounds | None = None) -> None:
         """``kvio_load_layer_dma`` (optional): layer ``layer`` of ``n_tokens`` token pairs from
         the host buffer into the layer's device tensors ``k_dst``/``v_dst``, by the copy engine.
 
@@ -411,6 +497,7 @@ class NativeLibrary:
             _int("n_tokens", n_tokens, _INT64),
             _flag("use_batched", use_batched),
             _ptr("stream", stream),
+            _bounds(bounds),
         )
         self.check("kvio_load_layer_dma", status)
 
@@ -418,7 +505,7 @@ class NativeLibrary:
                              host_base: int, layout: KvioLayout | Mapping[str, int],
                              host_idx: int, host_idx_64: int, dev_idx: int, dev_idx_64: int,
                              n_tokens: int, counters: int, flags: int, epoch: int,
-                             stream: int | None) -> None:
+                             stream: int | None, bounds: KvioBounds | None = None) -> None:
         """``kvio_load_layers_signaled`` (optional): a per-layer load of all ``num_layers``
         layers in one launch, layer after layer; ``flags[l]`` (device uint32) becomes
         ``epoch`` once layer l has landed. ``counters`` (device uint32 x num_layers) must be
@@ -442,6 +529,7 @@ class NativeLibrary:
             _ptr("flags", flags),
             _int("epoch", epoch, _UINT32),
             _ptr("stream", stream),
+            _bounds(bounds),
         )
         self.check("kvio_load_layers_signaled", status)
 

@@ -81,8 +81,10 @@ def test_expected_instructions(target: str, which: str) -> None:
         16: (r"global_load_dwordx4 " + X4, r"global_store_dwordx4 " + X4),
         8: (r"global_load_dwordx2 " + X4, r"global_store_dwordx2 " + X4),
         1: (r"global_load_ubyte v\d+, v\[\d+:\d+\], off nt$",
-            r"global_store_byte v\[\d+:\d+\], v\d+, off nt$"),
+            r"global_store_byte(?:_d16_hi)? v\[\d+:\d+\], v\d+, off nt$"),
     }
+    report_re = (r"global_store_dwordx2 v\d+, v\[\d+:\d+\], s\[\d+:\d+\]"
+                 r"( offset:(8|16|24))? sc0 sc1$")
     kernels = parse_kernels(asm, codegen.COPY_KERNELS)
     assert set(kernels) == set(codegen.COPY_KERNELS)
     for name, vec in codegen.COPY_KERNELS.items():
@@ -90,11 +92,18 @@ def test_expected_instructions(target: str, which: str) -> None:
         nt = payload(asm, name)
         loads = [i for i in nt if re.match(load_re, i)]
         stores = [i for i in nt if re.match(store_re, i)]
-        # every payload access is one of these; UNROLL of each per loop iteration
+        # every payload access is one of these; UNROLL of each per loop iteration on the hot
+        # path, and again on the path of a lane that saw an out-of-range index (ABI v2: its
+        # accesses are predicated per item, so the hot path has no compare between them)
         assert len(loads) + len(stores) == len(nt), nt
-        assert len(loads) == len(stores) == codegen.UNROLL, (name, nt)
-        # all loads issued before the first store
-        assert nt[: codegen.UNROLL] == loads, (name, nt)
+        assert len(loads) == len(stores) == 2 * codegen.UNROLL, (name, nt)
+        # the hot path comes first: all its loads issued before its first store
+        u = codegen.UNROLL
+        assert nt[:u] == loads[:u] and nt[u:2 * u] == stores[:u], (name, nt)
+        # the bounds report: value and epoch per side, system-scope 64-bit stores, not nt
+        report = [i for i in kernels[name].instructions
+                  if i.startswith("global_store") and i not in nt]
+        assert len(report) == 4 and all(re.match(report_re, i) for i in report), report
         md = kernels[name].metadata
         assert md[".wavefront_size"] == "64", name  # wave64 on gfx9
         assert md[".max_flat_workgroup_size"] == "256", name
@@ -123,9 +132,10 @@ def test_broken_variants_are_caught(target: str, which: str) -> None:
         assert found, f"{name}: the checker found nothing"
         got = {v.rule for v in found}
         assert rules <= got, (name, got)
-    # the four-scalar form: each 16-B store became four 4-byte nt stores
+    # the four-scalar form: each 16-B store became four 4-byte nt stores (on the hot path and
+    # on the path of a lane with an out-of-range index)
     four = [v.detail for v in check_assembly(asm, target, kernels=["kvio_broken_v16_scalar_store"])]
-    assert len(four) == 4 * codegen.UNROLL
+    assert len(four) == 2 * 4 * codegen.UNROLL
     assert all(d.startswith("global_store_dword ") and " nt" in d for d in four)
     # the real kernels, compiled in the same file, still pass
     assert check_assembly(asm, target) == []
@@ -187,6 +197,21 @@ def test_checker_flags(swap: str, rule: str) -> None:
     body = list(GOOD_BODY)
     body.insert(3, swap)
     assert rule in rules(kernel(body))
+
+
+REPORT_STORES = [f"global_store_dwordx2 v1, v[2:3], s[4:5] offset:{o} sc0 sc1"
+                 for o in (8, 0, 24, 16)]
+
+
+def test_checker_accepts_the_bounds_report_stores_and_no_more() -> None:
+    assert check_kernel(kernel([*GOOD_BODY, *REPORT_STORES]), 16, "gfx942") == []
+    too_many = [*GOOD_BODY, *REPORT_STORES, REPORT_STORES[0]]
+    assert rules(kernel(too_many)) == {"report-stores"}
+    # a 64-bit store without system scope, or with nt, is not a report store
+    unscoped = "global_store_dwordx2 v1, v[2:3], s[4:5]"
+    assert "store-nt" in rules(kernel([*GOOD_BODY, unscoped]), 8)
+    narrow = "global_store_dword v1, v2, s[4:5] sc0 sc1"
+    assert "store-width" in rules(kernel([*GOOD_BODY, narrow]))
 
 
 def test_checker_counts_loads_in_flight() -> None:

@@ -25,6 +25,7 @@ from kvio_rocm._native import NativeLibrary, make_layout
 from kvcore.errors import BuildError, InvalidArgument, KernelError
 from kvcore.layout import Geometry, Kind, Layout, byte_strides, canonical_view, host_shape
 from kvcore.native import layout_fields
+from kvcore.native_abi import KvioBounds, KvioReport, make_bounds, unchecked_bounds
 
 POISON = 0x5A
 
@@ -414,7 +415,8 @@ def test_direct_refusals_and_no_ops(emul) -> None:
                             host_idx.data_ptr(), 1, dev_idx.data_ptr(), 1, 8, 0)
     assert lib._lib.kvio_transfer_direct(2, pool.k_ptrs, pool.v_ptrs, 0, 2, host.data_ptr(),
                                          make_layout(fields), host_idx.data_ptr(), 1,
-                                         dev_idx.data_ptr(), 1, 8, None) == 1
+                                         dev_idx.data_ptr(), 1, 8, None,
+                                         unchecked_bounds()) == 1
     with pytest.raises(KernelError):
         lib.transfer_direct(0, pool.k_ptrs, pool.v_ptrs, 0, 2, host.data_ptr(),
                             {**fields, "chunk_bytes": 0}, host_idx.data_ptr(), 1,
@@ -429,6 +431,243 @@ def test_direct_refusals_and_no_ops(emul) -> None:
 
 def test_library_facts(emul) -> None:
     lib, _ = emul
-    assert lib.abi_version() == 1
+    assert lib.abi_version() == 2
     assert lib.has_batched_memcpy() is True  # found by dladdr + dlsym, like libamdhip64's
     assert lib.error_string(1) == "invalid argument"
+
+
+# --------------------------------------------------------------------------- ABI v2 bounds
+
+EPOCH = 0x8000_0000_0000_0007  # a full 64-bit epoch
+SLACK = 8  # rows allocated past the valid range, where a stray write would show
+
+
+def _report() -> tuple[KvioReport, int]:
+    """A kvio_report (host memory: the emulated GPU stores to it at the same address),
+    poisoned so an unwritten field shows."""
+    report = KvioReport(host_epoch=0x1111, host_value=-0x1111, device_epoch=0x2222,
+                        device_value=-0x2222)
+    return report, ctypes.addressof(report)
+
+
+def _fields(report: KvioReport) -> tuple[int, int, int, int]:
+    return (report.host_epoch, report.host_value, report.device_epoch, report.device_value)
+
+
+BOUNDS_CASES = [
+    (Kind.MHA, Layout.PAGE_FIRST, 2, 8, torch.bfloat16),  # v16, layers innermost
+    (Kind.MHA, Layout.LAYER_FIRST, 1, 4, torch.float16),  # v8, tokens innermost
+    (Kind.MHA, Layout.PAGE_HEAD, 2, 3, torch.uint8),  # v1, chunks
+]
+
+
+@pytest.mark.parametrize("case", BOUNDS_CASES, ids=[case_id(c) for c in BOUNDS_CASES])
+@pytest.mark.parametrize("direction", [0, 1], ids=["d2h", "h2d"])
+@pytest.mark.parametrize("bad", ["device-high", "device-negative", "host-high", "both"])
+def test_direct_skips_an_out_of_range_index_and_reports_it(emul, case, direction, bad) -> None:
+    """One token's index out of its bounds: no byte of that token is read or written (the
+    valid range is followed by SLACK allocated rows, so a stray access would show), every
+    other token is copied exactly onto random destinations, the report holds the epoch and
+    the bad value."""
+    lib, _ = emul
+    kind, layout, heads, dim, dtype = case
+    L, P, size, dev_tokens = 3, 4, 64, 40
+    g = Geometry(kind=kind, layout=layout, num_layers=L, size=size, head_num=heads,
+                 head_dim=dim, page_size=P)
+    host_tokens = size - SLACK  # the host buffer holds `size` tokens, only these are valid
+    gen = torch.Generator().manual_seed(hash((case_id(case), direction, bad)) & 0xFFFF)
+    host_idx = page_indices(g, [1, 6, 3], torch.int64)
+    n = host_idx.numel()
+    dev_idx = torch.randperm(dev_tokens, generator=gen)[:n]
+    j = 5  # the bad token
+    if bad in ("device-high", "both"):
+        dev_idx[j] = dev_tokens + 3
+    if bad == "device-negative":
+        dev_idx[j] = -2
+    if bad in ("host-high", "both"):
+        host_idx[j] = host_tokens + 1  # a host slot inside the allocation, past the bounds
+    good = torch.ones(n, dtype=torch.bool)
+    good[j] = False
+    # the pool has SLACK rows past device_tokens; negative indices would land before it, so
+    # every layer tensor is a view that starts SLACK rows into its allocation
+    pool = make_pool(g, dtype, dev_tokens + 2 * SLACK, gen)
+    for per in pool.layers:
+        for i, t in enumerate(per):
+            per[i] = t[SLACK:]
+    pool.ptrs = [torch.tensor([t.data_ptr() for t in per], dtype=torch.int64)
+                 for per in pool.layers]
+    backing = [[t._base if t._base is not None else t for t in per] for per in pool.layers]
+    host = random_like(host_shape(g), dtype, gen)
+    view = canonical_view(host, g)
+    h, d = host_idx[good], dev_idx[good]
+    layers = range(L)
+    if direction == 0:
+        expected_host = host.clone()
+        ev = canonical_view(expected_host, g)
+        for kv, layer in itertools.product(range(g.kv_count), layers):
+            ev[kv, layer, h // P, h % P] = pool.layers[kv][layer][d]
+        expected_pool = [[b.clone() for b in per] for per in backing]
+    else:
+        expected_host = host.clone()
+        expected_pool = [[b.clone() for b in per] for per in backing]
+        for kv, layer in itertools.product(range(g.kv_count), layers):
+            expected_pool[kv][layer][SLACK:][d] = view[kv, layer, h // P, h % P]
+    report, addr = _report()
+    bounds = make_bounds(host_tokens, dev_tokens, addr, EPOCH)
+
+    lib.transfer_direct(direction, pool.k_ptrs, pool.v_ptrs, 0, L, host.data_ptr(),
+                        layout_of(g, dtype.itemsize), host_idx.data_ptr(), 1,
+                        dev_idx.data_ptr(), 1, n, 0, bounds=bounds)
+
+    assert torch.equal(host.view(torch.uint8), expected_host.view(torch.uint8))
+    for kv, layer in itertools.product(range(g.kv_count), layers):
+        assert torch.equal(backing[kv][layer].view(torch.uint8),
+                           expected_pool[kv][layer].view(torch.uint8)), (kv, layer)
+    host_bad = bad in ("host-high", "both")
+    dev_bad = bad != "host-high"
+    assert _fields(report) == (
+        EPOCH if host_bad else 0x1111, int(host_idx[j]) if host_bad else -0x1111,
+        EPOCH if dev_bad else 0x2222, int(dev_idx[j]) if dev_bad else -0x2222)
+
+
+def test_direct_in_range_leaves_the_report_alone(emul) -> None:
+    lib, _ = emul
+    g, pool, host, host_idx, dev_idx = _mha_page_first()
+    host.view(torch.uint8).copy_(torch.randint(0, 256, host.view(torch.uint8).shape,
+                                               generator=torch.Generator().manual_seed(3),
+                                               dtype=torch.uint8))
+    report, addr = _report()
+    # the bounds are exact: the largest index of each side is the last valid one
+    lib.transfer_direct(0, pool.k_ptrs, pool.v_ptrs, 0, 2, host.data_ptr(), layout_of(g, 2),
+                        host_idx.data_ptr(), 1, dev_idx.data_ptr(), 1, 8, 0,
+                        bounds=make_bounds(int(host_idx.max()) + 1, int(dev_idx.max()) + 1,
+                                           addr, EPOCH))
+    assert _fields(report) == (0x1111, -0x1111, 0x2222, -0x2222)
+    view = canonical_view(host, g)
+    for kv, layer in itertools.product(range(2), range(2)):
+        assert torch.equal(view[kv, layer, host_idx // 4, host_idx % 4].view(torch.uint8),
+                           pool.layers[kv][layer][dev_idx].view(torch.uint8))
+
+
+@pytest.mark.parametrize("case", STAGED[:3] + STAGED[4:], ids=[case_id(c) for c in
+                                                               STAGED[:3] + STAGED[4:]])
+@pytest.mark.parametrize("dev64", [1, 0], ids=["dev-i64", "dev-i32"])
+def test_staged_load_skips_an_out_of_range_device_index_and_reports_it(emul, case,
+                                                                       dev64) -> None:
+    lib, raw = emul
+    gen = torch.Generator().manual_seed(21)
+    rig = staged_rig(case, dev64, gen, poison_pool=False)
+    g, P = rig.g, rig.g.page_size
+    dev_tokens = 120 - SLACK  # the rig's pool has 120 rows: the last SLACK are past bounds
+    d = torch.randperm(dev_tokens, generator=gen)[:rig.dev_idx.numel()]  # no duplicates
+    j = 9
+    d[j] = dev_tokens + 2
+    rig.dev_idx.copy_(d.to(rig.dev_idx.dtype))
+    good = torch.ones(d.numel(), dtype=torch.bool)
+    good[j] = False
+    host = random_like(host_shape(g), rig.dtype, gen)
+    view = canonical_view(host, g)
+    h = rig.host_idx
+    before = [[t.clone() for t in per] for per in rig.pool.layers]
+    report, addr = _report()
+
+    raw.kvio_emul_reset()
+    lib.load_all_staged(*rig.args(host, dev64, 1),
+                        bounds=make_bounds(g.size, dev_tokens, addr, EPOCH))
+    for kv, layer in itertools.product(range(g.kv_count), range(g.num_layers)):
+        want = before[kv][layer].clone()
+        want[d[good]] = view[kv, layer, h[good] // P, h[good] % P]
+        got = rig.pool.layers[kv][layer]
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), (kv, layer)
+    assert _fields(report) == (0x1111, -0x1111, EPOCH, dev_tokens + 2)
+
+
+@pytest.mark.parametrize("dev64", [1, 0], ids=["dev-i64", "dev-i32"])
+def test_staged_write_back_skips_an_out_of_range_device_index_and_reports_it(emul,
+                                                                             dev64) -> None:
+    """The gather reads no pool byte for the bad token and the report names it; every valid
+    token reaches its host slot and every page outside the transfer is untouched. (The page
+    image is copied to the host whole, so the bad token's own host slot receives what the
+    staging buffer held there: docs/native-abi.md.)"""
+    lib, _ = emul
+    gen = torch.Generator().manual_seed(22)
+    rig = staged_rig(STAGED[0], dev64, gen, poison_pool=False)
+    g, P = rig.g, rig.g.page_size
+    dev_tokens = 120 - SLACK
+    d = torch.randperm(dev_tokens, generator=gen)[:rig.dev_idx.numel()]  # no duplicates
+    j = 13
+    d[j] = -1 if dev64 else dev_tokens
+    rig.dev_idx.copy_(d.to(rig.dev_idx.dtype))
+    host = random_like(host_shape(g), rig.dtype, gen)
+    expected = host.clone()
+    ev = canonical_view(expected, g)
+    good = torch.ones(d.numel(), dtype=torch.bool)
+    good[j] = False
+    h = rig.host_idx
+    for kv, layer in itertools.product(range(g.kv_count), range(g.num_layers)):
+        ev[kv, layer, h[good] // P, h[good] % P] = rig.pool.layers[kv][layer][d[good]]
+    report, addr = _report()
+
+    lib.write_back_staged(*rig.args(host, dev64, 0),
+                          bounds=make_bounds(g.size, dev_tokens, addr, EPOCH))
+    got = canonical_view(host, g).clone()
+    # the bad token's slot is the one place that may differ
+    got[:, :, h[j] // P, h[j] % P] = 0
+    ev[:, :, h[j] // P, h[j] % P] = 0
+    assert torch.equal(got.view(torch.uint8), ev.view(torch.uint8))
+    assert _fields(report) == (0x1111, -0x1111, EPOCH, int(d[j]))
+
+
+@pytest.mark.parametrize("function", ["write_back_staged", "load_all_staged"])
+@pytest.mark.parametrize("where", ["first-token", "inside-a-page", "negative"])
+def test_staged_refuses_an_out_of_range_cpu_host_index_before_enqueueing(emul, function,
+                                                                         where) -> None:
+    lib, raw = emul
+    gen = torch.Generator().manual_seed(23)
+    rig = staged_rig(STAGED[0], 1, gen, poison_pool=False)
+    g = rig.g
+    host_tokens = 23 * g.page_size  # STAGED_PAGES reach page 23: its tokens are now invalid
+    if where == "inside-a-page":  # whole pages in bounds but the last page's tail
+        host_tokens = 24 * g.page_size - 1
+    if where == "negative":
+        host_tokens = g.size
+        rig.host_idx[4 * g.page_size + 1] = -1  # not a whole page either; the bounds say no
+    host = random_like(host_shape(g), rig.dtype, gen)
+    host_before = host.clone()
+    pool_before = [[t.clone() for t in per] for per in rig.pool.layers]
+    report, addr = _report()
+
+    raw.kvio_emul_reset()
+    with pytest.raises(KernelError, match=rf"^kvio_{function}: invalid argument") as err:
+        getattr(lib, function)(*rig.args(host, 1, 1),
+                               bounds=make_bounds(host_tokens, 120, addr, EPOCH))
+    assert err.value.code == 1
+    c = counters(raw)
+    assert (c["launches"], c["memcpy"], c["batch_calls"]) == (0, 0, 0)  # nothing enqueued
+    assert torch.equal(host.view(torch.uint8), host_before.view(torch.uint8))
+    for kv, layer in itertools.product(range(g.kv_count), range(g.num_layers)):
+        assert torch.equal(rig.pool.layers[kv][layer].view(torch.uint8),
+                           pool_before[kv][layer].view(torch.uint8))
+    assert _fields(report) == (0x1111, -0x1111, 0x2222, -0x2222)
+
+
+def test_a_null_bounds_pointer_or_report_is_invalid(emul) -> None:
+    lib, raw = emul
+    g, pool, host, host_idx, dev_idx = _mha_page_first()
+    layout = make_layout(layout_of(g, 2))
+    staging = torch.empty(1 << 12, dtype=torch.uint8)
+    no_report = KvioBounds(host_tokens=16, device_tokens=16, report=0, epoch=1)
+    raw.kvio_emul_reset()
+    for bounds in (None, no_report):
+        assert lib._lib.kvio_transfer_direct(0, pool.k_ptrs, pool.v_ptrs, 0, 2,
+                                             host.data_ptr(), layout, host_idx.data_ptr(), 1,
+                                             dev_idx.data_ptr(), 1, 8, None, bounds) == 1
+        assert lib._lib.kvio_write_back_staged(pool.k_ptrs, pool.v_ptrs, 2, host.data_ptr(),
+                                               layout, host_idx.data_ptr(),
+                                               dev_idx.data_ptr(), 1, 8, staging.data_ptr(),
+                                               staging.numel(), 1, None, bounds) == 1
+    assert counters(raw)["launches"] == 0
+    with pytest.raises(InvalidArgument, match=r"bounds\.report"):
+        lib.transfer_direct(0, pool.k_ptrs, pool.v_ptrs, 0, 2, host.data_ptr(), layout,
+                            host_idx.data_ptr(), 1, dev_idx.data_ptr(), 1, 8, 0,
+                            bounds=no_report)

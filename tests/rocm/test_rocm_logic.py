@@ -19,6 +19,7 @@ from kvio_rocm._native import PROTOTYPES, KvioLayout, NativeLibrary, make_layout
 from kvio_rocm.probe import RocmFacts, gather_facts
 from kvio_rocm.probe import probe as rocm_probe
 
+from kvcore import native_abi
 from kvcore.errors import BuildError, InvalidArgument, KernelError
 from kvcore.layout import Geometry, Kind, Layout, byte_strides
 from kvcore.native import layout_fields
@@ -310,7 +311,7 @@ class FakeLib:
     """An object with the library's functions, each a real ctypes function pointer (so the
     binding's argtypes marshal exactly as for the .so) that records its arguments."""
 
-    def __init__(self, status: int = 0, abi: int = 1, drop: str | None = None) -> None:
+    def __init__(self, status: int = 0, abi: int = 2, drop: str | None = None) -> None:
         self.calls: list[tuple[str, tuple]] = []
         self.status = status
         self._keep = []
@@ -369,7 +370,35 @@ def test_transfer_direct_marshalling() -> None:
     assert args[:6] == (1, 0x1000, 0x2000, 1, 2, 0x7F0000000000)
     assert args[6].as_dict() == layout_of(G, 2)
     assert args[6].as_dict()["num_chunks"] == 4  # page_head: one chunk per head
-    assert args[7:] == (0x3000, 1, 0x4000, 0, 24, 0xABC)
+    assert args[7:13] == (0x3000, 1, 0x4000, 0, 24, 0xABC)
+    # no bounds given: a pointer to the binding's unchecked bounds (every index >= 0 in range,
+    # a report buffer the binding owns)
+    b = args[13].contents
+    assert (b.host_tokens, b.device_tokens) == ((1 << 63) - 1, (1 << 63) - 1)
+    assert b.report == ctypes.addressof(native_abi._UNCHECKED_REPORT) and b.epoch == 0
+
+
+def test_bounds_reach_the_library_by_pointer() -> None:
+    fake = FakeLib()
+    lib = NativeLibrary(lib=fake)
+    report = native_abi.KvioReport()
+    bounds = native_abi.make_bounds(96, 40, ctypes.addressof(report), (1 << 64) - 1)
+    lib.transfer_direct(0, 1, 2, 0, 3, 4, layout_of(G, 2), 5, 1, 6, 1, 8, 0, bounds=bounds)
+    lib.write_back_staged(1, 2, 3, 4, layout_of(G, 2), 5, 6, 1, 8, 7, 8, 0, 0, bounds)
+    for _, args in fake.calls:
+        got = args[-1].contents
+        assert ctypes.addressof(got) == ctypes.addressof(bounds)  # by reference, not a copy
+        assert (got.host_tokens, got.device_tokens, got.epoch) == (96, 40, (1 << 64) - 1)
+        assert got.report == ctypes.addressof(report)
+    for bad, match in (({"report": 0}, r"bounds\.report"), ({"host_tokens": -1}, "host_tokens"),
+                       ({"epoch": 1 << 64}, "epoch")):
+        with pytest.raises(InvalidArgument, match=match):
+            native_abi.make_bounds(**{"host_tokens": 1, "device_tokens": 1, "report": 8,
+                                      "epoch": 0, **bad})
+    with pytest.raises(InvalidArgument, match="a KvioBounds or None"):
+        lib.transfer_direct(0, 1, 2, 0, 3, 4, layout_of(G, 2), 5, 1, 6, 1, 8, 0, bounds=(1, 2))
+    assert len(fake.calls) == 2
+    assert ctypes.sizeof(native_abi.KvioBounds) == ctypes.sizeof(native_abi.KvioReport) == 32
 
 
 def test_write_back_staged_marshalling_and_null_pointers() -> None:
@@ -379,7 +408,7 @@ def test_write_back_staged_marshalling_and_null_pointers() -> None:
                           0x7000, 1 << 20, 1, 0)
     (name, args), = fake.calls
     assert name == "kvio_write_back_staged"
-    assert args[1] is None and args[-1] is None  # MLA v_ptrs and the default stream: NULL
+    assert args[1] is None and args[-2] is None  # MLA v_ptrs and the default stream: NULL
     assert (args[0], args[2], args[3]) == (0x1000, 3, 0x9000)
     assert args[4].as_dict() == layout_of(G, 2)
     assert args[5:12] == (0x5000, 0x6000, 1, 16, 0x7000, 1 << 20, 1)
@@ -400,13 +429,14 @@ def test_nonzero_status_becomes_kernel_error() -> None:
 
 def test_library_facts_through_the_binding() -> None:
     lib = NativeLibrary(lib=FakeLib())
-    assert lib.abi_version() == 1 and lib.has_batched_memcpy() is True
+    assert lib.abi_version() == 2 and lib.has_batched_memcpy() is True
     assert lib.error_string(1) == "invalid argument"
 
 
 def test_abi_mismatch_and_missing_symbol_are_build_errors(tmp_path: Path) -> None:
-    with pytest.raises(BuildError, match="implements native ABI version 2"):
-        NativeLibrary(lib=FakeLib(abi=2))
+    with pytest.raises(BuildError, match="implements native ABI version 1, this binding "
+                                         "speaks version 2"):
+        NativeLibrary(lib=FakeLib(abi=1))
     with pytest.raises(BuildError, match="does not export kvio_write_back_staged"):
         NativeLibrary(lib=FakeLib(drop="kvio_write_back_staged"))
     with pytest.raises(BuildError, match="cannot load the kvio_rocm library"):

@@ -6,9 +6,19 @@ from pathlib import Path
 from typing import Any
 
 from kvcore import native_abi
-from kvcore.native_abi import ABI_VERSION, PROTOTYPES, KvioLayout, make_layout
+from kvcore.native_abi import (
+    ABI_VERSION,
+    PROTOTYPES,
+    KvioBounds,
+    KvioLayout,
+    KvioReport,
+    make_bounds,
+    make_layout,
+    unchecked_bounds,
+)
 
-__all__ = ["ABI_VERSION", "KvioLayout", "NativeLibrary", "PROTOTYPES", "make_layout"]
+__all__ = ["ABI_VERSION", "KvioBounds", "KvioLayout", "KvioReport", "NativeLibrary",
+           "PROTOTYPES", "make_bounds", "make_layout", "unchecked_bounds"]
 
 
 class NativeLibrary(native_abi.NativeLibrary):

@@ -10,9 +10,15 @@ inside the ``ziglang`` wheel (``zig clang``).
 and reports, for every copy kernel (``kvio_copy_v{16,8,1}_*``; fixtures may use other prefixes):
 
 * payload stores: every ``global_store_*`` must be ONE access of the kernel's vector width
-  (``dwordx4`` for v16, ``dwordx2`` for v8, ``byte`` for v1) carrying ``nt``. A narrower
-  store (e.g. four ``global_store_dword ... nt``, the "four-scalar" form) or a store without
-  ``nt`` is a violation. The kernels store nothing but payload.
+  (``dwordx4`` for v16, ``dwordx2`` for v8, ``byte`` or ``byte_d16_hi`` for v1) carrying
+  ``nt``. A narrower store (e.g. four ``global_store_dword ... nt``, the "four-scalar" form)
+  or a store without ``nt`` is a violation. The kernels store nothing but payload, except
+  the ABI v2 bounds report.
+* report stores: the only other stores allowed are those of the out-of-range report
+  (kvio_report, 64-bit fields in pinned host memory): ``global_store_dwordx2`` with
+  system scope (``sc0 sc1``) and without ``nt``, at most :data:`MAX_REPORT_STORES` of them
+  (one value and one epoch per side). They sit on the slow path of a lane that saw a bad
+  index, not between the payload loads and stores of the hot path.
 * payload loads: the kernels' only non-temporal loads are payload loads, so every load with
   ``nt`` must be of the vector width (``global_load_dword ... nt`` in a v16 kernel is the
   payload split into scalars), every ``global_load_dwordx4`` in a v16 kernel must carry
@@ -74,6 +80,9 @@ COPY_KERNELS: dict[str, int] = {
 
 #: payload loads each lane issues before its stores (KVIO_UNROLL in kvio_device.h)
 UNROLL = 4
+
+#: stores of the ABI v2 report in one kernel: value and epoch for the host and device side
+MAX_REPORT_STORES = 4
 
 #: wavefront size of each gfx family the kernels are checked for
 _WAVE64_PREFIXES = ("gfx9",)
@@ -238,6 +247,8 @@ _WIDTH = {
     "byte": 1, "ubyte": 1, "sbyte": 1, "u8": 1, "i8": 1, "u16": 2, "i16": 2,
 }
 _VEC_SUFFIX = {16: "dwordx4", 8: "dwordx2", 1: "byte"}
+#: every payload store form of a width (byte_d16_hi: the byte in bits 16..23 of a register)
+_VEC_STORE_SUFFIX = {16: ("dwordx4",), 8: ("dwordx2",), 1: ("byte", "byte_d16_hi")}
 _VEC_LOAD_SUFFIX = {16: ("dwordx4",), 8: ("dwordx2",), 1: ("ubyte", "sbyte")}
 
 
@@ -399,8 +410,9 @@ def check_kernel(kernel: KernelAsm, vec: int, target: str | None = None,
         v.append(Violation(name, rule, detail))
 
     want = _VEC_SUFFIX[vec]
+    want_stores = _VEC_STORE_SUFFIX[vec]
     want_loads = _VEC_LOAD_SUFFIX[vec]
-    payload_loads = payload_stores = 0
+    payload_loads = payload_stores = report_stores = 0
     in_flight = best_in_flight = 0
     for instr in kernel.instructions:
         if instr.startswith("s_waitcnt") and "vmcnt" in instr:
@@ -415,7 +427,10 @@ def check_kernel(kernel: KernelAsm, vec: int, target: str | None = None,
             continue
         nt = "nt" in m.flags
         if m.op == "store":
-            if m.suffix != want:
+            if not nt and m.suffix == "dwordx2" and {"sc0", "sc1"} <= m.flags:
+                report_stores += 1  # the bounds report: a system-scope 64-bit field
+                continue
+            if m.suffix not in want_stores:
                 bad("store-width", f"{instr}  (payload stores must be one {want})")
             elif not nt:
                 bad("store-nt", f"{instr}  (missing nt)")
@@ -437,6 +452,9 @@ def check_kernel(kernel: KernelAsm, vec: int, target: str | None = None,
             bad("narrow-load", f"{instr}  (byte/short load in the {vec}-byte path)")
         elif m.suffix not in ("dword", "dwordx2"):
             bad("unexpected-load", f"{instr}  (only dword/dwordx2 index and table loads)")
+    if report_stores > MAX_REPORT_STORES:
+        bad("report-stores", f"{report_stores} system-scope report stores (at most "
+                             f"{MAX_REPORT_STORES}: one value and one epoch per side)")
     if payload_stores == 0 and not any(x.rule.startswith("store") for x in v):
         bad("no-payload", f"no {want} ... nt store found")
     if payload_loads != payload_stores and payload_loads and payload_stores:

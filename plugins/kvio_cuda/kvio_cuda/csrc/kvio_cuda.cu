@@ -43,9 +43,29 @@ typedef struct kvio_layout {
     int64_t chunk_bytes;   /* contiguous bytes of one chunk */
     int64_t num_chunks;    /* chunks per element */
 } kvio_layout;
+
+/* ABI v2: where the kernels record an out-of-range device-resident index. In pinned host
+   memory; stored to with plain system-scope stores (value, then epoch), read by Python after
+   the transfer's stream event has completed. */
+typedef struct kvio_report {
+    uint64_t host_epoch;   /* set to bounds->epoch on a bad host index */
+    int64_t host_value;    /* one bad host index value */
+    uint64_t device_epoch; /* set to bounds->epoch on a bad device index */
+    int64_t device_value;  /* one bad device index value */
+} kvio_report;
+
+/* Passed by pointer; read during the call only (the kernels get copies of its values). */
+typedef struct kvio_bounds {
+    int64_t host_tokens;   /* valid host indices are [0, host_tokens) */
+    int64_t device_tokens; /* valid device indices are [0, device_tokens) */
+    kvio_report* report;   /* where a violation is recorded (never NULL in v2) */
+    uint64_t epoch;        /* stored into *_epoch on a violation */
+} kvio_bounds;
 }
 
 static_assert(sizeof(kvio_layout) == 64, "kvio_layout must be 8 int64 fields");
+static_assert(sizeof(kvio_report) == 32, "kvio_report must be 32 bytes");
+static_assert(sizeof(kvio_bounds) == 32, "kvio_bounds must be 32 bytes");
 
 #define KVIO_CHECK(expr)                          \
     do {                                          \
@@ -76,7 +96,7 @@ static_assert(KVIO_BLOCKS_PER_SM >= 1 && KVIO_BLOCKS_PER_SM <= 8,
 
 namespace {
 
-constexpr int kAbiVersion = 1;
+constexpr int kAbiVersion = 2;
 constexpr int kThreads = 256;      // threads per block
 constexpr int kUnroll = KVIO_UNROLL;  // vectors in flight per thread (loads before stores)
 constexpr int kBlocksPerSm = KVIO_BLOCKS_PER_SM;  // default 4: 1024 threads, <= 64 regs each
@@ -112,6 +132,13 @@ struct CopyParams {
     int64_t elem_bytes;       // device bytes per token and layer = num_chunks * chunk_bytes
     const void* host_idx;     // nullptr: identity (host token = t), used for staging
     const void* dev_idx;
+    // ABI v2 bounds: a vector whose host index is outside [0, host_tokens) or whose device
+    // index is outside [0, device_tokens) is skipped and reported (see locate). The identity
+    // host index of a staging image is always in range: host_tokens is INT64_MAX there.
+    int64_t host_tokens;
+    int64_t device_tokens;
+    kvio_report* report;
+    uint64_t epoch;
     uint64_t total;           // number of vectors
     uint64_t nvec;            // vectors per chunk
     uint64_t size[3];         // sizes of d0, d1, d2
@@ -233,11 +260,42 @@ __device__ __forceinline__ IdxT pick(int32_t pos, IdxT i0, IdxT i1, IdxT i2) {
     return pos == 0 ? i0 : (pos == 1 ? i1 : i2);
 }
 
+// An out-of-range index seen by one thread: which side(s) and one bad value of each, kept in
+// registers until the thread's stores (report_bad), so an EARLY kernel stores nothing
+// before its dependency wait.
+struct BadIndex {
+    int64_t host_value;
+    int64_t device_value;
+    uint32_t sides;  // bit 0: host, bit 1: device
+};
+
+// One plain system-scope store into the report (pinned host memory): relaxed, not an atomic
+// read-modify-write (host memory need not support PCIe atomics).
+__device__ __forceinline__ void report_store(uint64_t* field, uint64_t value) {
+    asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(field), "l"(value) : "memory");
+}
+
+// Records the bad values one thread saw: value first, then epoch, per side. Racing threads
+// all store some bad value and the same epoch.
+__device__ __forceinline__ void report_bad(const CopyParams& p, const BadIndex& bad) {
+    if (bad.sides & 1u) {
+        report_store(reinterpret_cast<uint64_t*>(&p.report->host_value),
+                     static_cast<uint64_t>(bad.host_value));
+        report_store(&p.report->host_epoch, p.epoch);
+    }
+    if (bad.sides & 2u) {
+        report_store(reinterpret_cast<uint64_t*>(&p.report->device_value),
+                     static_cast<uint64_t>(bad.device_value));
+        report_store(&p.report->device_epoch, p.epoch);
+    }
+}
+
 // Host and device addresses of flat vector g (g < p.total); the flat work's layers start at
-// layer_begin.
+// layer_begin. False, with the bad value(s) noted in `bad`, when an index is out of its
+// bounds: the vector is then skipped (nothing else is read for it, nothing is stored).
 template <int VEC, typename IdxT>
-__device__ __forceinline__ void locate(const CopyParams& p, IdxT g, int64_t layer_begin,
-                                       char*& host, char*& dev) {
+__device__ __forceinline__ bool locate(const CopyParams& p, IdxT g, int64_t layer_begin,
+                                       char*& host, char*& dev, BadIndex& bad) {
     const IdxT nvec = static_cast<IdxT>(p.nvec);
     const IdxT s0 = static_cast<IdxT>(p.size[0]);
     const IdxT s1 = static_cast<IdxT>(p.size[1]);
@@ -257,6 +315,20 @@ __device__ __forceinline__ void locate(const CopyParams& p, IdxT g, int64_t laye
     const int64_t h = p.host_idx ? load_index(p.host_idx, p.host_idx_64, t)
                                  : static_cast<int64_t>(t);
     const int64_t d = load_index(p.dev_idx, p.dev_idx_64, t);
+    // One unsigned compare per side also catches negative values.
+    const bool host_ok = static_cast<uint64_t>(h) < static_cast<uint64_t>(p.host_tokens);
+    const bool dev_ok = static_cast<uint64_t>(d) < static_cast<uint64_t>(p.device_tokens);
+    if (!(host_ok && dev_ok)) {
+        if (!host_ok) {
+            bad.sides |= 1u;
+            bad.host_value = h;
+        }
+        if (!dev_ok) {
+            bad.sides |= 2u;
+            bad.device_value = d;
+        }
+        return false;
+    }
     int64_t page, in_page;
     if (p.page_shift >= 0) {
         page = h >> p.page_shift;
@@ -275,6 +347,7 @@ __device__ __forceinline__ void locate(const CopyParams& p, IdxT g, int64_t laye
     char* base = reinterpret_cast<char*>(static_cast<uintptr_t>(__ldg(
         reinterpret_cast<const unsigned long long*>(table) + layer)));
     dev = base + d * p.elem_bytes + chunk * p.chunk_bytes + vec_off;
+    return true;
 }
 
 // Programmatic dependent launch (Hopper and newer, see launch_copy): wait for the preceding
@@ -300,21 +373,22 @@ template <int DIR, int VEC, typename IdxT>
 struct Tile {
     const char* src[kUnroll];
     char* dst[kUnroll];
-    int state[kUnroll];  // 0: out of range, 1: aligned vector, 2: misaligned
+    int state[kUnroll];  // 0: past the end or a bad index, 1: aligned vector, 2: misaligned
     Vec<VEC> val[kUnroll];
+    BadIndex bad;
 
     __device__ __forceinline__ void load(const CopyParams& p, IdxT base, IdxT total,
                                          int64_t layer_begin) {
+        bad.sides = 0;
 #pragma unroll
         for (int k = 0; k < kUnroll; ++k) {
             const IdxT g = base + static_cast<IdxT>(k * kThreads) + static_cast<IdxT>(threadIdx.x);
             state[k] = 0;
             src[k] = nullptr;
             dst[k] = nullptr;
-            if (g < total) {
-                char* host;
-                char* dev;
-                locate<VEC, IdxT>(p, g, layer_begin, host, dev);
+            char* host;
+            char* dev;
+            if (g < total && locate<VEC, IdxT>(p, g, layer_begin, host, dev, bad)) {
                 src[k] = DIR == kDeviceToHost ? dev : host;
                 dst[k] = DIR == kDeviceToHost ? host : dev;
                 const uintptr_t bits =
@@ -330,7 +404,9 @@ struct Tile {
         }
     }
 
-    __device__ __forceinline__ void store() const {
+    // Stores the loaded vectors, then reports any bad index this thread saw (after the
+    // dependency wait in every kernel).
+    __device__ __forceinline__ void store(const CopyParams& p) const {
 #pragma unroll
         for (int k = 0; k < kUnroll; ++k) {
             if (state[k] == 1) {
@@ -343,6 +419,9 @@ struct Tile {
                     store_dst<DIR, 1>(dst[k] + b, one);
                 }
             }
+        }
+        if (bad.sides != 0) {
+            report_bad(p, bad);
         }
     }
 };
@@ -371,7 +450,7 @@ __device__ __forceinline__ void copy_body(const CopyParams& p) {
             dependency_wait_then_release();
             waited = true;
         }
-        t.store();
+        t.store(p);
     }
     if (EARLY && !waited) {  // a block without a tile still orders its dependents
         dependency_wait_then_release();
@@ -411,7 +490,7 @@ __device__ __forceinline__ void signaled_body(const CopyParams& p, int32_t num_l
         const IdxT base = static_cast<IdxT>((t - layer * tiles_per_layer) * kTile);
         Tile<kHostToDevice, VEC, IdxT> tile;
         tile.load(p, base, per_layer, static_cast<int64_t>(layer));
-        tile.store();
+        tile.store(p);
         fence_acq_rel_gpu();  // this thread's stores before the warp's count
         __syncwarp();
         if ((threadIdx.x & 31) == 0) {
@@ -593,6 +672,7 @@ struct DeviceInfo {
 };
 DeviceInfo g_device_info[kMaxDevices];
 cudaStream_t g_side_stream[kMaxDevices] = {};
+cudaStream_t g_dma_stream[kMaxDevices] = {};
 
 // KVIO_CUDA_PDL=0 turns programmatic dependent launch off (for A/B measurements).
 bool pdl_enabled_by_env() {
@@ -633,6 +713,24 @@ cudaError_t side_stream(int device, cudaStream_t* out) {
         g_side_stream[device] = s;
     }
     *out = g_side_stream[device];
+    return cudaSuccess;
+}
+
+// The internal stream of a device for per-layer DMA loads issued on the legacy default
+// stream (kvio_load_layer_dma), created once under the mutex and kept for the life of the
+// process. Separate from the staged pipeline's side stream, so a staged transfer in flight on
+// another stream never delays a per-layer load.
+cudaError_t dma_stream(int device, cudaStream_t* out) {
+    if (device < 0 || device >= kMaxDevices) {
+        return cudaErrorInvalidDevice;
+    }
+    std::lock_guard<std::mutex> lock(g_mutex);
+    if (g_dma_stream[device] == nullptr) {
+        cudaStream_t s = nullptr;
+        KVIO_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+        g_dma_stream[device] = s;
+    }
+    *out = g_dma_stream[device];
     return cudaSuccess;
 }
 
@@ -895,9 +993,30 @@ cudaError_t launch_copy(int direction, CopyParams p, int num_kv, int64_t n_token
     return cudaGetLastError();
 }
 
+// Whether `b` is usable: v2 callers always pass bounds with a report.
+bool bounds_ok(const kvio_bounds* b) {
+    return b != nullptr && b->report != nullptr && b->host_tokens >= 0 && b->device_tokens >= 0;
+}
+
+// Whether the n CPU-resident indices all lie in [0, tokens) (one unsigned compare each).
+bool cpu_indices_in_range(const int64_t* idx, int64_t n, int64_t tokens) {
+    for (int64_t i = 0; i < n; ++i) {
+        if (static_cast<uint64_t>(idx[i]) >= static_cast<uint64_t>(tokens)) {
+            return false;
+        }
+    }
+    return true;
+}
+
+// The copy of a staging image: its identity host index is always in range, the device
+// indices are checked against the bounds.
 CopyParams base_params(const uint64_t* k_ptrs, const uint64_t* v_ptrs, void* host,
-                       const kvio_layout& L) {
+                       const kvio_layout& L, const kvio_bounds& bounds) {
     CopyParams p = {};
+    p.host_tokens = INT64_MAX;
+    p.device_tokens = bounds.device_tokens;
+    p.report = bounds.report;
+    p.epoch = bounds.epoch;
     p.ptrs[0] = k_ptrs;
     p.ptrs[1] = v_ptrs;
     p.host = static_cast<char*>(host);
@@ -915,8 +1034,9 @@ CopyParams base_params(const uint64_t* k_ptrs, const uint64_t* v_ptrs, void* hos
 // base_params with device-readable token indices (the direct and signaled kernels).
 CopyParams indexed_params(const uint64_t* k_ptrs, const uint64_t* v_ptrs, void* host,
                           const kvio_layout& L, const void* host_idx, int host_idx_64,
-                          const void* dev_idx, int dev_idx_64) {
-    CopyParams p = base_params(k_ptrs, v_ptrs, host, L);
+                          const void* dev_idx, int dev_idx_64, const kvio_bounds& bounds) {
+    CopyParams p = base_params(k_ptrs, v_ptrs, host, L, bounds);
+    p.host_tokens = bounds.host_tokens;
     p.host_idx = host_idx;
     p.host_idx_64 = host_idx_64 ? 1 : 0;
     p.dev_idx = dev_idx;
@@ -1143,10 +1263,10 @@ cudaError_t transfer_direct(int direction, const uint64_t* k_ptrs, const uint64_
                             int32_t layer_begin, int32_t layer_count, void* host_base,
                             const kvio_layout& layout, const void* host_idx, int host_idx_64,
                             const void* dev_idx, int dev_idx_64, int64_t n_tokens,
-                            bool chained, void* stream) {
+                            bool chained, void* stream, const kvio_bounds* bounds) {
     if ((direction != kDeviceToHost && direction != kHostToDevice) || k_ptrs == nullptr ||
         host_base == nullptr || layer_begin < 0 || layer_count < 0 || n_tokens < 0 ||
-        !layout_ok(layout)) {
+        !layout_ok(layout) || !bounds_ok(bounds)) {
         return cudaErrorInvalidValue;
     }
     if (n_tokens == 0 || layer_count == 0) {
@@ -1160,7 +1280,7 @@ cudaError_t transfer_direct(int direction, const uint64_t* k_ptrs, const uint64_
     KVIO_CHECK(guard.enter(s));
 
     CopyParams p = indexed_params(k_ptrs, v_ptrs, host_base, layout, host_idx, host_idx_64,
-                                  dev_idx, dev_idx_64);
+                                  dev_idx, dev_idx_64, *bounds);
     p.layer_begin = layer_begin;
     const int num_kv = v_ptrs != nullptr ? 2 : 1;
     return launch_copy(direction, p, num_kv, n_tokens, layer_count, layout.num_chunks,
@@ -1175,9 +1295,9 @@ cudaError_t load_layers_signaled(const uint64_t* k_ptrs, const uint64_t* v_ptrs,
                                  const kvio_layout& layout, const void* host_idx,
                                  int host_idx_64, const void* dev_idx, int dev_idx_64,
                                  int64_t n_tokens, uint32_t* counters, uint32_t* flags,
-                                 uint32_t epoch, void* stream) {
+                                 uint32_t epoch, void* stream, const kvio_bounds* bounds) {
     if (k_ptrs == nullptr || host_base == nullptr || num_layers <= 0 || n_tokens < 0 ||
-        counters == nullptr || flags == nullptr || !layout_ok(layout)) {
+        counters == nullptr || flags == nullptr || !layout_ok(layout) || !bounds_ok(bounds)) {
         return cudaErrorInvalidValue;
     }
     if (n_tokens > 0 && (host_idx == nullptr || dev_idx == nullptr)) {
@@ -1190,8 +1310,10 @@ cudaError_t load_layers_signaled(const uint64_t* k_ptrs, const uint64_t* v_ptrs,
         kvio_set_flags<<<1, kThreads, 0, s>>>(flags, num_layers, epoch);
         return cudaGetLastError();
     }
+    // A tile with skipped vectors is still counted (every warp counts its part of every tile),
+    // so every layer's flag is published even when indices are out of range.
     CopyParams p = indexed_params(k_ptrs, v_ptrs, host_base, layout, host_idx, host_idx_64,
-                                  dev_idx, dev_idx_64);
+                                  dev_idx, dev_idx_64, *bounds);
     const int num_kv = v_ptrs != nullptr ? 2 : 1;
     int vec = 0;
     KVIO_CHECK(plan_copy(p, num_kv, n_tokens, 1, layout.num_chunks, &vec));
@@ -1219,9 +1341,10 @@ cudaError_t transfer_staged(int direction, const uint64_t* k_ptrs, const uint64_
                             int32_t num_layers, void* host_base, const kvio_layout& layout,
                             const int64_t* host_idx_cpu, const void* dev_idx, int dev_idx_64,
                             int64_t n_tokens, void* staging, int64_t staging_bytes,
-                            int use_batched, void* stream) {
+                            int use_batched, void* stream, const kvio_bounds* bounds) {
     if ((direction != kDeviceToHost && direction != kHostToDevice) || k_ptrs == nullptr ||
-        host_base == nullptr || num_layers <= 0 || n_tokens < 0 || !layout_ok(layout)) {
+        host_base == nullptr || num_layers <= 0 || n_tokens < 0 || !layout_ok(layout) ||
+        !bounds_ok(bounds)) {
         return cudaErrorInvalidValue;
     }
     if (n_tokens == 0) {
@@ -1243,6 +1366,11 @@ cudaError_t transfer_staged(int direction, const uint64_t* k_ptrs, const uint64_
             return cudaErrorInvalidValue;
         }
     }
+    // The host copy addresses are computed here from CPU indices: refuse an out-of-range one
+    // before anything is enqueued (the device indices are checked by the kernels).
+    if (!cpu_indices_in_range(host_idx_cpu, n_tokens, bounds->host_tokens)) {
+        return cudaErrorInvalidValue;
+    }
     const int64_t slot_bytes = num_kv * page_bytes;  // one page of K (and V) in staging
     const int64_t capacity = staging_bytes / slot_bytes;
     if (num_kv == 2 && capacity < 2 && staging_bytes >= page_bytes) {
@@ -1251,11 +1379,11 @@ cudaError_t transfer_staged(int direction, const uint64_t* k_ptrs, const uint64_
         // of V, each pipelined where its own pages fit twice.
         KVIO_CHECK(transfer_staged(direction, k_ptrs, nullptr, num_layers, host_base, layout,
                                    host_idx_cpu, dev_idx, dev_idx_64, n_tokens, staging,
-                                   staging_bytes, use_batched, stream));
+                                   staging_bytes, use_batched, stream, bounds));
         return transfer_staged(direction, v_ptrs, nullptr, num_layers,
                                static_cast<char*>(host_base) + layout.kv_stride, layout,
                                host_idx_cpu, dev_idx, dev_idx_64, n_tokens, staging,
-                               staging_bytes, use_batched, stream);
+                               staging_bytes, use_batched, stream, bounds);
     }
     if (capacity < 1) {
         return cudaErrorInvalidValue;  // the staging buffer cannot hold a single page
@@ -1291,7 +1419,7 @@ cudaError_t transfer_staged(int direction, const uint64_t* k_ptrs, const uint64_
         kvio_layout st = layout;
         st.kv_stride = cp * page_bytes;
         st.page_stride = page_bytes;
-        CopyParams p = base_params(k_ptrs, v_ptrs, buf, st);
+        CopyParams p = base_params(k_ptrs, v_ptrs, buf, st, *bounds);
         p.host_idx = nullptr;
         p.dev_idx = static_cast<const char*>(dev_idx) + static_cast<size_t>(p0 * P) * idx_bytes;
         p.dev_idx_64 = dev_idx_64 ? 1 : 0;
@@ -1340,6 +1468,76 @@ cudaError_t transfer_staged(int direction, const uint64_t* k_ptrs, const uint64_
     return pipe.join();
 }
 
+// Whether a batched submission of the per-layer DMA (1D runs when `flat`, else 2D) would be
+// used: the runtime exports the entry point and the driver has not refused it.
+bool batch_available(bool flat) {
+#if KVIO_HAVE_BATCH
+    return flat ? batch_fn() != nullptr : batch3d_fn() != nullptr;
+#else
+    (void)flat;
+    return false;
+#endif
+}
+
+// A per-thread event per device for LegacyFork (events belong to the device current when
+// they are created), destroyed when the thread ends.
+struct ThreadEvents {
+    cudaEvent_t events[kMaxDevices] = {};
+    ThreadEvents() = default;
+    ThreadEvents(const ThreadEvents&) = delete;
+    ThreadEvents& operator=(const ThreadEvents&) = delete;
+    ~ThreadEvents() {
+        for (cudaEvent_t& e : events) {
+            if (e != nullptr) (void)cudaEventDestroy(e);
+        }
+    }
+};
+
+// Runs work of a call made on the legacy default stream `caller` on the device's internal DMA
+// stream: begin() makes that stream wait for everything enqueued on `caller` so far, join()
+// makes `caller` wait for what was enqueued on it in between. If the call stops early after
+// begin(), the destructor still joins, so `caller` never runs ahead of that work.
+class LegacyFork {
+  public:
+    explicit LegacyFork(cudaStream_t caller) : caller_(caller) {}
+    LegacyFork(const LegacyFork&) = delete;
+    LegacyFork& operator=(const LegacyFork&) = delete;
+    ~LegacyFork() {
+        if (forked_) {
+            (void)join();
+        }
+    }
+
+    cudaError_t begin(int device, cudaStream_t* out) {
+        KVIO_CHECK(dma_stream(device, &side_));
+        thread_local ThreadEvents cache;
+        cudaEvent_t& e = cache.events[device];
+        if (e == nullptr) {
+            KVIO_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+        }
+        event_ = e;
+        // A wait captures the event's state when it is enqueued: re-recording the event later
+        // (join, the next call of this thread) never changes what an earlier wait waits for.
+        KVIO_CHECK(cudaEventRecord(event_, caller_));
+        KVIO_CHECK(cudaStreamWaitEvent(side_, event_, 0));
+        forked_ = true;
+        *out = side_;
+        return cudaSuccess;
+    }
+
+    cudaError_t join() {
+        forked_ = false;
+        KVIO_CHECK(cudaEventRecord(event_, side_));
+        return cudaStreamWaitEvent(caller_, event_, 0);
+    }
+
+  private:
+    cudaStream_t caller_;
+    cudaStream_t side_ = nullptr;
+    cudaEvent_t event_ = nullptr;
+    bool forked_ = false;
+};
+
 // Per-layer load through the copy engine: no SM reads pinned memory. Consecutive tokens
 // whose host and device slots both advance by one form a run. Where the host keeps one
 // layer's tokens back to back (layer_first, page_first_direct) a run is one contiguous copy;
@@ -1349,9 +1547,10 @@ cudaError_t transfer_staged(int direction, const uint64_t* k_ptrs, const uint64_
 cudaError_t load_layer_dma(char* k_dst, char* v_dst, int32_t layer, void* host_base,
                            const kvio_layout& L, const int64_t* host_idx_cpu,
                            const int64_t* dev_idx_cpu, int64_t n_tokens, int use_batched,
-                           void* stream) {
+                           void* stream, const kvio_bounds* bounds) {
     if (k_dst == nullptr || host_base == nullptr || layer < 0 || n_tokens < 0 ||
-        !layout_ok(L) || (L.num_chunks > 1 && L.chunk_stride != L.chunk_bytes)) {
+        !layout_ok(L) || (L.num_chunks > 1 && L.chunk_stride != L.chunk_bytes) ||
+        !bounds_ok(bounds)) {
         return cudaErrorInvalidValue;  // the last: an element must be contiguous on the host
     }
     if (n_tokens == 0) {
@@ -1380,6 +1579,11 @@ cudaError_t load_layer_dma(char* k_dst, char* v_dst, int32_t layer, void* host_b
                dev_idx_cpu[j] == dev_idx_cpu[j - 1] + 1 && (pages_abut || host_idx_cpu[j] % P)) {
             ++j;
         }
+        // Both indices are CPU-resident: refuse an out-of-range one before enqueueing anything
+        // (defence in depth; Python checks them first). A run's last slots are its largest.
+        if (j - i > bounds->host_tokens - h0 || j - i > bounds->device_tokens - d0) {
+            return cudaErrorInvalidValue;
+        }
         runs.push_back({h0, d0, j - i});
         i = j;
     }
@@ -1389,75 +1593,93 @@ cudaError_t load_layer_dma(char* k_dst, char* v_dst, int32_t layer, void* host_b
     KVIO_CHECK(guard.enter(s));
     bool capturing = false;
     KVIO_CHECK(is_capturing(s, &capturing));
-    const bool batched = use_batched != 0 && !capturing && !is_legacy_stream(s);
 
-    const int num_kv = v_dst != nullptr ? 2 : 1;
-    thread_local std::vector<void*> dsts;
-    thread_local std::vector<const void*> srcs;
-    thread_local std::vector<size_t> sizes;
-    struct Rect {  // one 2D copy: `rows` rows of `elem` bytes, host rows `pitch` apart
-        char* dst;
-        const char* src;
-        int64_t rows;
-    };
-    thread_local std::vector<Rect> rects;
-    dsts.clear();
-    srcs.clear();
-    sizes.clear();
-    rects.clear();
-    const char* host = static_cast<const char*>(host_base);
-    for (int kv = 0; kv < num_kv; ++kv) {
-        char* dev = kv ? v_dst : k_dst;
-        for (const Run& r : runs) {
-            const char* src = host + kv * L.kv_stride + layer * L.layer_stride +
-                              (r.h / P) * L.page_stride + (r.h % P) * L.token_stride;
-            char* dst = dev + r.d * elem;
-            if (flat) {
-                dsts.push_back(dst);
-                srcs.push_back(src);
-                sizes.push_back(static_cast<size_t>(r.rows * elem));
-            } else {
-                rects.push_back({dst, src, r.rows});
+    // Enqueues every run on `on`, batched when `batched` (and the runtime has it).
+    auto submit = [&](cudaStream_t on, bool batched) -> cudaError_t {
+        const int num_kv = v_dst != nullptr ? 2 : 1;
+        thread_local std::vector<void*> dsts;
+        thread_local std::vector<const void*> srcs;
+        thread_local std::vector<size_t> sizes;
+        struct Rect {  // one 2D copy: `rows` rows of `elem` bytes, host rows `pitch` apart
+            char* dst;
+            const char* src;
+            int64_t rows;
+        };
+        thread_local std::vector<Rect> rects;
+        dsts.clear();
+        srcs.clear();
+        sizes.clear();
+        rects.clear();
+        const char* host = static_cast<const char*>(host_base);
+        for (int kv = 0; kv < num_kv; ++kv) {
+            char* dev = kv ? v_dst : k_dst;
+            for (const Run& r : runs) {
+                const char* src = host + kv * L.kv_stride + layer * L.layer_stride +
+                                  (r.h / P) * L.page_stride + (r.h % P) * L.token_stride;
+                char* dst = dev + r.d * elem;
+                if (flat) {
+                    dsts.push_back(dst);
+                    srcs.push_back(src);
+                    sizes.push_back(static_cast<size_t>(r.rows * elem));
+                } else {
+                    rects.push_back({dst, src, r.rows});
+                }
             }
         }
-    }
-    if (flat) {
-        return copy_runs(dsts, srcs, sizes, cudaMemcpyHostToDevice, batched, s);
-    }
-    const size_t width = static_cast<size_t>(elem), pitch = static_cast<size_t>(L.token_stride);
+        if (flat) {
+            return copy_runs(dsts, srcs, sizes, cudaMemcpyHostToDevice, batched, on);
+        }
+        const size_t width = static_cast<size_t>(elem);
+        const size_t pitch = static_cast<size_t>(L.token_stride);
 #if KVIO_HAVE_BATCH
-    if (Batch3DFn fn = batched ? batch3d_fn() : nullptr) {
-        thread_local std::vector<cudaMemcpy3DBatchOp> ops;
-        ops.assign(rects.size(), cudaMemcpy3DBatchOp{});
-        for (size_t i = 0; i < rects.size(); ++i) {
-            cudaMemcpy3DBatchOp& op = ops[i];
-            op.src.type = cudaMemcpyOperandTypePointer;
-            op.src.op.ptr.ptr = const_cast<char*>(rects[i].src);
-            op.src.op.ptr.rowLength = pitch;
-            op.dst.type = cudaMemcpyOperandTypePointer;
-            op.dst.op.ptr.ptr = rects[i].dst;
-            op.dst.op.ptr.rowLength = width;
-            op.extent = make_cudaExtent(width, static_cast<size_t>(rects[i].rows), 1);
-            op.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
-        }
+        if (Batch3DFn fn = batched ? batch3d_fn() : nullptr) {
+            thread_local std::vector<cudaMemcpy3DBatchOp> ops;
+            ops.assign(rects.size(), cudaMemcpy3DBatchOp{});
+            for (size_t i = 0; i < rects.size(); ++i) {
+                cudaMemcpy3DBatchOp& op = ops[i];
+                op.src.type = cudaMemcpyOperandTypePointer;
+                op.src.op.ptr.ptr = const_cast<char*>(rects[i].src);
+                op.src.op.ptr.rowLength = pitch;
+                op.dst.type = cudaMemcpyOperandTypePointer;
+                op.dst.op.ptr.ptr = rects[i].dst;
+                op.dst.op.ptr.rowLength = width;
+                op.extent = make_cudaExtent(width, static_cast<size_t>(rects[i].rows), 1);
+                op.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+            }
 #if CUDART_VERSION >= 13000
-        const cudaError_t err = fn(ops.size(), ops.data(), 0, s);
+            const cudaError_t err = fn(ops.size(), ops.data(), 0, on);
 #else
-        size_t fail_idx = 0;
-        const cudaError_t err = fn(ops.size(), ops.data(), &fail_idx, 0, s);
+            size_t fail_idx = 0;
+            const cudaError_t err = fn(ops.size(), ops.data(), &fail_idx, 0, on);
 #endif
-        if (!batch_refused(err)) {
-            return err;
+            if (!batch_refused(err)) {
+                return err;
+            }
+            (void)cudaGetLastError();
+            disable_batch();
         }
-        (void)cudaGetLastError();
-        disable_batch();
-    }
 #endif
-    for (const Rect& r : rects) {
-        KVIO_CHECK(cudaMemcpy2DAsync(r.dst, width, r.src, pitch, width,
-                                     static_cast<size_t>(r.rows), cudaMemcpyHostToDevice, s));
+        for (const Rect& r : rects) {
+            KVIO_CHECK(cudaMemcpy2DAsync(r.dst, width, r.src, pitch, width,
+                                         static_cast<size_t>(r.rows), cudaMemcpyHostToDevice,
+                                         on));
+        }
+        return cudaSuccess;
+    };
+
+    const bool batched = use_batched != 0 && !capturing;
+    if (!batched || !is_legacy_stream(s) || !batch_available(flat)) {
+        // The batched memcpy refuses the legacy NULL stream: there, one copy per run.
+        return submit(s, batched && !is_legacy_stream(s));
     }
-    return cudaSuccess;
+    // The legacy default stream: run the batch on the device's internal DMA stream, ordered
+    // by events (it starts after everything enqueued on `s` so far, and `s` waits for it), so
+    // a caller on stream 0 gets the batched submission too.
+    LegacyFork fork(s);
+    cudaStream_t on = nullptr;
+    KVIO_CHECK(fork.begin(guard.device(), &on));
+    KVIO_CHECK(submit(on, true));
+    return fork.join();
 }
 
 // A failed runtime call also leaves its (non-sticky) code in the runtime's last-error slot,
@@ -1476,10 +1698,10 @@ KVIO_API int kvio_transfer_direct(int direction, const uint64_t* k_ptrs, const u
                                   int32_t layer_begin, int32_t layer_count, void* host_base,
                                   kvio_layout layout, const void* host_idx, int host_idx_64,
                                   const void* dev_idx, int dev_idx_64, int64_t n_tokens,
-                                  void* stream) {
+                                  void* stream, const kvio_bounds* bounds) {
     return finish(transfer_direct(direction, k_ptrs, v_ptrs, layer_begin, layer_count,
                                   host_base, layout, host_idx, host_idx_64, dev_idx, dev_idx_64,
-                                  n_tokens, false, stream));
+                                  n_tokens, false, stream, bounds));
 }
 
 KVIO_API int kvio_transfer_direct_chained(int direction, const uint64_t* k_ptrs,
@@ -1487,39 +1709,42 @@ KVIO_API int kvio_transfer_direct_chained(int direction, const uint64_t* k_ptrs,
                                           int32_t layer_count, void* host_base,
                                           kvio_layout layout, const void* host_idx,
                                           int host_idx_64, const void* dev_idx, int dev_idx_64,
-                                          int64_t n_tokens, void* stream) {
+                                          int64_t n_tokens, void* stream,
+                                          const kvio_bounds* bounds) {
     return finish(transfer_direct(direction, k_ptrs, v_ptrs, layer_begin, layer_count,
                                   host_base, layout, host_idx, host_idx_64, dev_idx, dev_idx_64,
-                                  n_tokens, true, stream));
+                                  n_tokens, true, stream, bounds));
 }
 
 KVIO_API int kvio_write_back_staged(const uint64_t* k_ptrs, const uint64_t* v_ptrs,
                                     int32_t num_layers, void* host_base, kvio_layout layout,
                                     const int64_t* host_idx_cpu, const void* dev_idx,
                                     int dev_idx_64, int64_t n_tokens, void* staging,
-                                    int64_t staging_bytes, int use_batched, void* stream) {
+                                    int64_t staging_bytes, int use_batched, void* stream,
+                                    const kvio_bounds* bounds) {
     return finish(transfer_staged(kDeviceToHost, k_ptrs, v_ptrs, num_layers, host_base,
                                   layout, host_idx_cpu, dev_idx, dev_idx_64, n_tokens, staging,
-                                  staging_bytes, use_batched, stream));
+                                  staging_bytes, use_batched, stream, bounds));
 }
 
 KVIO_API int kvio_load_all_staged(const uint64_t* k_ptrs, const uint64_t* v_ptrs,
                                   int32_t num_layers, void* host_base, kvio_layout layout,
                                   const int64_t* host_idx_cpu, const void* dev_idx,
                                   int dev_idx_64, int64_t n_tokens, void* staging,
-                                  int64_t staging_bytes, int use_batched, void* stream) {
+                                  int64_t staging_bytes, int use_batched, void* stream,
+                                  const kvio_bounds* bounds) {
     return finish(transfer_staged(kHostToDevice, k_ptrs, v_ptrs, num_layers, host_base,
                                   layout, host_idx_cpu, dev_idx, dev_idx_64, n_tokens, staging,
-                                  staging_bytes, use_batched, stream));
+                                  staging_bytes, use_batched, stream, bounds));
 }
 
 KVIO_API int kvio_load_layer_dma(void* k_dst, void* v_dst, int32_t layer, void* host_base,
                                  kvio_layout layout, const int64_t* host_idx_cpu,
                                  const int64_t* dev_idx_cpu, int64_t n_tokens, int use_batched,
-                                 void* stream) {
+                                 void* stream, const kvio_bounds* bounds) {
     return finish(load_layer_dma(static_cast<char*>(k_dst), static_cast<char*>(v_dst), layer,
                                  host_base, layout, host_idx_cpu, dev_idx_cpu, n_tokens,
-                                 use_batched, stream));
+                                 use_batched, stream, bounds));
 }
 
 KVIO_API int kvio_has_layer_signals(void) { return wait_fn() != nullptr ? 1 : 0; }
@@ -1529,10 +1754,10 @@ KVIO_API int kvio_load_layers_signaled(const uint64_t* k_ptrs, const uint64_t* v
                                        const void* host_idx, int host_idx_64,
                                        const void* dev_idx, int dev_idx_64, int64_t n_tokens,
                                        uint32_t* counters, uint32_t* flags, uint32_t epoch,
-                                       void* stream) {
+                                       void* stream, const kvio_bounds* bounds) {
     return finish(load_layers_signaled(k_ptrs, v_ptrs, num_layers, host_base, layout,
                                        host_idx, host_idx_64, dev_idx, dev_idx_64, n_tokens,
-                                       counters, flags, epoch, stream));
+                                       counters, flags, epoch, stream, bounds));
 }
 
 KVIO_API int kvio_wait_layer_signal(const uint32_t* flag, uint32_t epoch, void* stream) {

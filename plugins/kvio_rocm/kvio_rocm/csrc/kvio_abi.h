@@ -13,7 +13,7 @@
 extern "C" {
 #endif
 
-#define KVIO_ABI_VERSION 1
+#define KVIO_ABI_VERSION 2
 
 #if defined(_WIN32)
 #define KVIO_API __declspec(dllexport)
@@ -32,6 +32,25 @@ typedef struct kvio_layout {
     int64_t num_chunks;   /* chunks per element */
 } kvio_layout;
 
+/* ABI v2: where kernels record an out-of-range device-resident index (docs/native-abi.md).
+ * 32 bytes in pinned host memory the kernels store to with plain system-scope stores (value
+ * first, then epoch; never an atomic read-modify-write on host memory). Read by Python only
+ * after the transfer's stream event has completed. */
+typedef struct kvio_report {
+    uint64_t host_epoch;   /* set to bounds->epoch on a bad host index */
+    int64_t host_value;    /* one bad host index value */
+    uint64_t device_epoch; /* set to bounds->epoch on a bad device index */
+    int64_t device_value;  /* one bad device index value */
+} kvio_report;
+
+/* Passed by pointer; read during the call only (its values travel in the kernel arguments). */
+typedef struct kvio_bounds {
+    int64_t host_tokens;   /* valid host indices are [0, host_tokens) */
+    int64_t device_tokens; /* valid device indices are [0, device_tokens) */
+    kvio_report* report;   /* where a violation is recorded (never NULL in v2) */
+    uint64_t epoch;        /* stored into *_epoch on a violation */
+} kvio_bounds;
+
 KVIO_API int kvio_abi_version(void);
 KVIO_API const char* kvio_error_string(int code);
 
@@ -39,20 +58,22 @@ KVIO_API int kvio_transfer_direct(int direction, const uint64_t* k_ptrs, const u
                                   int32_t layer_begin, int32_t layer_count, void* host_base,
                                   kvio_layout layout, const void* host_idx, int host_idx_64,
                                   const void* dev_idx, int dev_idx_64, int64_t n_tokens,
-                                  void* stream);
+                                  void* stream, const kvio_bounds* bounds);
 
 KVIO_API int kvio_write_back_staged(const uint64_t* k_ptrs, const uint64_t* v_ptrs,
                                     int32_t num_layers, void* host_base, kvio_layout layout,
                                     const int64_t* host_idx_cpu, const void* dev_idx,
                                     int dev_idx_64, int64_t n_tokens, void* staging,
-                                    int64_t staging_bytes, int use_batched, void* stream);
+                                    int64_t staging_bytes, int use_batched, void* stream,
+                                    const kvio_bounds* bounds);
 
 /* optional in the ABI: kvio_write_back_staged's arguments, host pages -> device pool */
 KVIO_API int kvio_load_all_staged(const uint64_t* k_ptrs, const uint64_t* v_ptrs,
                                   int32_t num_layers, void* host_base, kvio_layout layout,
                                   const int64_t* host_idx_cpu, const void* dev_idx,
                                   int dev_idx_64, int64_t n_tokens, void* staging,
-                                  int64_t staging_bytes, int use_batched, void* stream);
+                                  int64_t staging_bytes, int use_batched, void* stream,
+                                  const kvio_bounds* bounds);
 
 KVIO_API int kvio_has_batched_memcpy(void);
 

@@ -139,11 +139,38 @@ struct kvio_copy_params {
     kvio_i32 direction;  // 0: device -> host, 1: host -> device
     kvio_i32 host_idx_64;
     kvio_i32 dev_idx_64;
+    // ABI v2 bounds (kvio_bounds): an item whose host index is outside [0, host_tokens) or
+    // whose device index is outside [0, device_tokens) is skipped (no load, no store) and
+    // recorded in the kvio_report at `report` (pinned host memory) with `epoch`. The identity
+    // host index of the staging image is always in range (the launcher passes INT64_MAX).
+    kvio_i64 host_tokens;
+    kvio_i64 device_tokens;
+    kvio_u64 report;     // kvio_report*: host_epoch, host_value, device_epoch, device_value
+    kvio_u64 epoch;
 };
 
 // Host and device passes must agree on the kernel argument's layout (both LP64; the
-// assembly's metadata shows .size: 184 for it).
-static_assert(sizeof(kvio_copy_params) == 184, "kvio_copy_params layout changed");
+// assembly's metadata shows .size: 216 for it).
+static_assert(sizeof(kvio_copy_params) == 216, "kvio_copy_params layout changed");
+
+// One plain system-scope store of a 64-bit report field: a relaxed atomic STORE (not a
+// read-modify-write; host memory need not support PCIe atomics), so the value reaches host
+// memory whatever the GPU's caches do. The emulation build stores plainly.
+KVIO_DEVICE void kvio_report_store(kvio_u64 addr, kvio_u64 value) {
+#if defined(KVIO_EMULATE)
+    __atomic_store_n((volatile kvio_u64*)addr, value, __ATOMIC_RELAXED);
+#else
+    __hip_atomic_store((KVIO_GLOBAL kvio_u64*)addr, value, __ATOMIC_RELAXED,
+                       __HIP_MEMORY_SCOPE_SYSTEM);
+#endif
+}
+
+// Records a bad index: value first, then epoch (offsets of kvio_report; side 0 host, 16
+// device). Racing work-items all store some bad value and the same epoch.
+KVIO_DEVICE void kvio_report_bad(const kvio_copy_params& p, kvio_u32 side, kvio_i64 value) {
+    kvio_report_store(p.report + side + 8, (kvio_u64)value);
+    kvio_report_store(p.report + side, p.epoch);
+}
 
 // One token index from an int32 (shift 2) or int64 (shift 3) array, written without a
 // branch: two dword loads, the second at +4 for int64 and a re-read of the same word for
@@ -220,10 +247,25 @@ KVIO_DEVICE void kvio_copy_body(const kvio_copy_params& p) {
             const kvio_u64 table = co[k].kv ? p.v_ptrs : p.k_ptrs;
             layer_base[k] = ((const KVIO_GLOBAL kvio_u64*)table)[p.layer_begin + (kvio_i32)co[k].l];
         }
+        bool ok[KVIO_UNROLL];
+        bool host_bad = false, dev_bad = false;
+        kvio_i64 host_value = 0, dev_value = 0;
 #pragma unroll
         for (int k = 0; k < KVIO_UNROLL; ++k) {
             const kvio_coord c = co[k];
             const kvio_i64 hk = p.host_idx ? h[k] : (kvio_i64)c.t;
+            // Bounds (ABI v2): one unsigned compare per side also catches negative values.
+            const bool host_ok = (kvio_u64)hk < (kvio_u64)p.host_tokens;
+            const bool dev_ok = (kvio_u64)d[k] < (kvio_u64)p.device_tokens;
+            ok[k] = host_ok && dev_ok;
+            if (!host_ok) {
+                host_bad = true;
+                host_value = hk;
+            }
+            if (!dev_ok) {
+                dev_bad = true;
+                dev_value = d[k];
+            }
             const kvio_u64 dev = layer_base[k] + (kvio_u64)(d[k] * p.elem_bytes) +
                                  (kvio_u64)c.c * (kvio_u64)p.chunk_bytes + (kvio_u64)c.v * VEC;
             kvio_i64 page, off;
@@ -245,16 +287,30 @@ KVIO_DEVICE void kvio_copy_body(const kvio_copy_params& p) {
             src[k] = p.direction ? host : dev;
             dst[k] = p.direction ? dev : host;
         }
+        if (!host_bad && !dev_bad) {
+            // The hot path: every item of this lane in range.
 #pragma unroll
-        for (int k = 0; k < KVIO_UNROLL; ++k)
-            buf[k] = Access::load(src[k]);
-        // Unconditional stores: a lane whose item is past the end rewrites the last item (the
-        // same bytes to the same address, and that item belongs to this wave's tile). A
-        // predicated store would let the compiler sink its load under the branch and wait on
-        // it there.
+            for (int k = 0; k < KVIO_UNROLL; ++k)
+                buf[k] = Access::load(src[k]);
+            // Unconditional stores: a lane whose item is past the end rewrites the last item
+            // (the same bytes to the same address, and that item belongs to this wave's
+            // tile). A predicated store would let the compiler sink its load under the branch
+            // and wait on it there.
 #pragma unroll
-        for (int k = 0; k < KVIO_UNROLL; ++k)
-            Access::store(dst[k], buf[k]);
+            for (int k = 0; k < KVIO_UNROLL; ++k)
+                Access::store(dst[k], buf[k]);
+        } else {
+            // A lane with an out-of-range index (a bug upstream): its skipped items touch no
+            // byte, the others are copied, then the lane records one bad value per side.
+#pragma unroll
+            for (int k = 0; k < KVIO_UNROLL; ++k)
+                if (ok[k]) buf[k] = Access::load(src[k]);
+#pragma unroll
+            for (int k = 0; k < KVIO_UNROLL; ++k)
+                if (ok[k]) Access::store(dst[k], buf[k]);
+            if (host_bad) kvio_report_bad(p, 0, host_value);
+            if (dev_bad) kvio_report_bad(p, 16, dev_value);
+        }
     }
 }
 

@@ -195,9 +195,27 @@ bool layout_ok(const kvio_layout& L) {
            L.num_chunks >= 1 && L.num_chunks <= 0x7fffffff;
 }
 
+bool bounds_ok(const kvio_bounds* b) {
+    return b != nullptr && b->report != nullptr && b->host_tokens >= 0 && b->device_tokens >= 0;
+}
+
+// Whether every one of the n CPU-resident host indices is in [0, host_tokens): the staged
+// entries compute copy addresses from them on the host, so a bad one is refused before
+// anything is enqueued.
+bool host_indices_in_range(const int64_t* idx, int64_t n, int64_t host_tokens) {
+    for (int64_t i = 0; i < n; ++i)
+        if ((uint64_t)idx[i] >= (uint64_t)host_tokens) return false;
+    return true;
+}
+
 kvio_copy_params base_params(const uint64_t* k_ptrs, const uint64_t* v_ptrs, void* host_base,
-                             const kvio_layout& L, int32_t layer_begin, int direction) {
+                             const kvio_layout& L, int32_t layer_begin, int direction,
+                             const kvio_bounds& bounds) {
     kvio_copy_params p = {};
+    p.host_tokens = bounds.host_tokens;
+    p.device_tokens = bounds.device_tokens;
+    p.report = (kvio_u64)(uintptr_t)bounds.report;
+    p.epoch = bounds.epoch;
     p.k_ptrs = (kvio_u64)(uintptr_t)k_ptrs;
     p.v_ptrs = (kvio_u64)(uintptr_t)v_ptrs;
     p.host_base = (kvio_u64)(uintptr_t)host_base;
@@ -259,9 +277,9 @@ hipError_t transfer_staged(int direction, const uint64_t* k_ptrs, const uint64_t
                            int32_t num_layers, void* host_base, const kvio_layout& layout,
                            const int64_t* host_idx_cpu, const void* dev_idx, int dev_idx_64,
                            int64_t n_tokens, void* staging, int64_t staging_bytes,
-                           int use_batched, void* stream) {
+                           int use_batched, void* stream, const kvio_bounds* bounds) {
     if ((direction != 0 && direction != 1) || n_tokens < 0 || num_layers < 0 ||
-        !layout_ok(layout))
+        !layout_ok(layout) || !bounds_ok(bounds))
         return hipErrorInvalidValue;
     const int64_t P = layout.page_size;
     if (n_tokens % P != 0) return hipErrorInvalidValue;
@@ -283,6 +301,12 @@ hipError_t transfer_staged(int direction, const uint64_t* k_ptrs, const uint64_t
     const int64_t n_pages = n_tokens / P;
     for (int64_t i = 0; i < n_pages; ++i)
         if (host_idx_cpu[i * P] < 0 || host_idx_cpu[i * P] % P != 0) return hipErrorInvalidValue;
+    if (!host_indices_in_range(host_idx_cpu, n_tokens, bounds->host_tokens))
+        return hipErrorInvalidValue;
+    // The device side reads dev_idx on the device: the kernels check it against
+    // device_tokens. The staging image's identity host index is always in range.
+    kvio_bounds device_side = *bounds;
+    device_side.host_tokens = INT64_MAX;
 
     const bool to_host = direction == 0;
     const hipMemcpyKind kind = to_host ? hipMemcpyDeviceToHost : hipMemcpyHostToDevice;
@@ -301,7 +325,8 @@ hipError_t transfer_staged(int direction, const uint64_t* k_ptrs, const uint64_t
         kvio_layout sl = layout;
         sl.page_stride = page_bytes;
         sl.kv_stride = np * page_bytes;
-        const kvio_copy_params p = base_params(k_ptrs, v_ptrs, staging, sl, 0, direction);
+        const kvio_copy_params p =
+            base_params(k_ptrs, v_ptrs, staging, sl, 0, direction, device_side);
         const void* dev_chunk = static_cast<const char*>(dev_idx) + (size_t)(p0 * P) * dsz;
         auto relayout = [&]() {
             return launch_copy(p, nullptr, 1, dev_chunk, dev_idx_64, pick_vec(sl, staging),
@@ -348,16 +373,16 @@ KVIO_API int kvio_transfer_direct(int direction, const uint64_t* k_ptrs, const u
                                   int32_t layer_begin, int32_t layer_count, void* host_base,
                                   kvio_layout layout, const void* host_idx, int host_idx_64,
                                   const void* dev_idx, int dev_idx_64, int64_t n_tokens,
-                                  void* stream) {
+                                  void* stream, const kvio_bounds* bounds) {
     if ((direction != 0 && direction != 1) || n_tokens < 0 || layer_begin < 0 ||
-        layer_count < 0 || !layout_ok(layout))
+        layer_count < 0 || !layout_ok(layout) || !bounds_ok(bounds))
         return hipErrorInvalidValue;
     if (n_tokens == 0 || layer_count == 0) return hipSuccess;
     if (!k_ptrs || !host_base || !host_idx || !dev_idx) return hipErrorInvalidValue;
     const int vec = pick_vec(layout, host_base);
     const int order = pick_order(layout, layer_count);
     const kvio_copy_params p = base_params(k_ptrs, v_ptrs, host_base, layout, layer_begin,
-                                           direction);
+                                           direction, *bounds);
     return launch_copy(p, host_idx, host_idx_64, dev_idx, dev_idx_64, vec, order,
                        v_ptrs ? 2u : 1u, (uint32_t)layer_count, (uint32_t)layout.num_chunks,
                        n_tokens, static_cast<hipStream_t>(stream));
@@ -367,20 +392,22 @@ KVIO_API int kvio_write_back_staged(const uint64_t* k_ptrs, const uint64_t* v_pt
                                     int32_t num_layers, void* host_base, kvio_layout layout,
                                     const int64_t* host_idx_cpu, const void* dev_idx,
                                     int dev_idx_64, int64_t n_tokens, void* staging,
-                                    int64_t staging_bytes, int use_batched, void* stream) {
+                                    int64_t staging_bytes, int use_batched, void* stream,
+                                    const kvio_bounds* bounds) {
     return transfer_staged(0, k_ptrs, v_ptrs, num_layers, host_base, layout, host_idx_cpu,
                            dev_idx, dev_idx_64, n_tokens, staging, staging_bytes, use_batched,
-                           stream);
+                           stream, bounds);
 }
 
 KVIO_API int kvio_load_all_staged(const uint64_t* k_ptrs, const uint64_t* v_ptrs,
                                   int32_t num_layers, void* host_base, kvio_layout layout,
                                   const int64_t* host_idx_cpu, const void* dev_idx,
                                   int dev_idx_64, int64_t n_tokens, void* staging,
-                                  int64_t staging_bytes, int use_batched, void* stream) {
+                                  int64_t staging_bytes, int use_batched, void* stream,
+                                  const kvio_bounds* bounds) {
     return transfer_staged(1, k_ptrs, v_ptrs, num_layers, host_base, layout, host_idx_cpu,
                            dev_idx, dev_idx_64, n_tokens, staging, staging_bytes, use_batched,
-                           stream);
+                           stream, bounds);
 }
 
 } // extern "C"
