@@ -23,7 +23,7 @@ from kvcore.hookspecs import hookimpl
 from kvcore.layout import Geometry, Kind, Layout, Op
 from kvcore.plan import TransferPlan, TransferRequest
 from kvcore.pools import DevicePool, HostPool, SlotAllocator
-from kvcore.registry import Registry, default_registry, make_request
+from kvcore.registry import Registry, allocate_host_pool, default_registry, make_request
 
 __version__ = "0.1.0"
 
@@ -56,6 +56,7 @@ __all__ = [
     "Unavailable",
     "WriteAck",
     "WritePolicy",
+    "allocate_host_pool",
     "default_registry",
     "hookimpl",
     "make_request",

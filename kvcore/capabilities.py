@@ -10,15 +10,12 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Any
 
 import attrs
 import torch
 
 from kvcore.layout import Kind, Layout, Op
-
-if TYPE_CHECKING:
-    from kvcore.backend import TransferBackend
 
 #: The kvcore API version this core implements. A backend built for another is refused.
 API_VERSION = 1
@@ -165,10 +162,14 @@ class Capabilities:
 
 @attrs.frozen
 class BackendSpec:
-    """What a plugin registers: capabilities plus a factory called only when a plan needs it."""
+    """What a plugin registers: capabilities plus a factory called only when a plan needs it.
+
+    ``factory(device)`` returns a :class:`kvcore.backend.TransferBackend` (typed ``Any`` here:
+    capabilities are static metadata, read below the runtime contract they describe).
+    """
 
     capabilities: Capabilities
-    factory: Callable[[torch.device], TransferBackend] = attrs.field(eq=False, repr=False)
+    factory: Callable[[torch.device], Any] = attrs.field(eq=False, repr=False)
 
     @property
     def name(self) -> str:

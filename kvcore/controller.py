@@ -30,7 +30,6 @@ from typing import Any
 import attrs
 import torch
 
-from kvcore.bound import BoundPlan, Submission
 from kvcore.errors import (
     ControllerUnusable,
     DeviceFault,
@@ -41,7 +40,7 @@ from kvcore.errors import (
 )
 from kvcore.handles import LoadHandle, PendingWrite, WriteAck
 from kvcore.layout import Op, parse_enum
-from kvcore.plan import TransferPlan
+from kvcore.plan import BoundPlan, Submission, TransferPlan
 from kvcore.policy import CacheEvent, WritePolicy, should_back_up
 from kvcore.pools import DevicePool, HostPool
 from kvcore.registry import Registry, default_registry, make_request
@@ -125,7 +124,8 @@ class HiCacheController:
         if verify:
             from kvcore.verify import verify_plans
 
-            verify_plans(self)
+            verify_plans([(m.device, m.host) for m in self.members], self.plans,
+                         self.registry)
         if process_group is not None:
             from kvcore.distributed import agree_on_plans
 

@@ -12,7 +12,7 @@ from kvcore.errors import InvalidArgument, TransferFailed
 from kvcore.streams import current_stream
 
 if TYPE_CHECKING:
-    from kvcore.bound import Submission
+    from kvcore.plan import Submission
 
 
 @attrs.frozen
@@ -39,7 +39,7 @@ class LoadHandle:
 
     A failed load is never reported as landed: once the load is known to have failed (an
     index the kernels refused, a fault), ``check``/``wait_layer``/``wait``/``done`` raise the
-    same TransferFailed. ``submissions`` holds one :class:`~kvcore.bound.Submission` per
+    same TransferFailed. ``submissions`` holds one :class:`~kvcore.plan.Submission` per
     pool-group member.
     """
 

@@ -1,10 +1,21 @@
-"""TransferPlan: the one object that both places indices and runs the operation.
+"""TransferPlan and BoundPlan: the one object that both places indices and runs.
 
-A plan is what :meth:`kvcore.registry.Registry.resolve` returns for a request. For each call
-it selects one declared :class:`~kvcore.capabilities.OpSupport` variant, moves the index
-tensors to the residency and dtype that variant declares, and hands the backend a job
-carrying that same variant. Placement and execution therefore cannot disagree: there is no
-second place that decides where indices live.
+:meth:`kvcore.registry.Registry.resolve` returns a :class:`TransferPlan` for a request: the
+backend and its declared :class:`~kvcore.capabilities.OpSupport` variants.
+:meth:`TransferPlan.bind` ties it to one pool pair: everything about a device pool and a host
+pool is checked once (dtype, layer count, geometry, device, host memory the variant can
+dereference, alignment, contiguous pages) and the variant that runs is fixed, since page bytes
+and layer count are fixed by the pools. :meth:`BoundPlan.submit` then checks the indices that
+are on the CPU, places both index tensors where that variant wants them and enqueues the whole
+operation (all layers, one layer, or every layer of a per-layer load layer after layer or as
+one signaled job) without waiting for the device. The controller, ``kvio bench``, the
+conformance suite, the start-up verification and ``kvio replay`` all call it, so placement,
+kernel choice and validation cannot disagree: there is no second place that decides them.
+
+Index values on the CPU are checked before anything is enqueued. Device-resident index values
+are never copied to the CPU to be checked (that would wait for the device): the backend must
+not dereference an out-of-range one and reports it through the transfer's completion
+(:meth:`Submission.check`), as the native kernels do.
 """
 
 from __future__ import annotations
@@ -15,10 +26,21 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import torch
 
-from kvcore.bound import BoundPlan, Submission
-from kvcore.capabilities import HostMemory, OpSupport
-from kvcore.errors import NoBackend
-from kvcore.layout import Kind, Layout, Op
+from kvcore.backend import TransferBackend, TransferJob
+from kvcore.capabilities import HostMemory, IndexSpec, OpSupport, Residency, residency_device
+from kvcore.errors import (
+    BuildError,
+    ContractViolation,
+    InvalidArgument,
+    InvalidIndices,
+    KVCoreError,
+    NoBackend,
+    TensorMismatch,
+)
+from kvcore.layout import Kind, Layout, Op, page_contiguous
+from kvcore.signals import LayerSignals
+from kvcore.streams import current_stream, has_streams, on_stream, recorded_event
+from kvcore.validate import check_cpu_indices, check_index_tensor, describe_tensor
 
 if TYPE_CHECKING:
     from kvcore.pools import DevicePool, HostPool
@@ -114,3 +136,283 @@ class TransferPlan:
                 for v in self.variants
             ],
         }
+
+
+class Submission:
+    """What one :meth:`BoundPlan.submit` enqueued.
+
+    ``wait_layer(layer, stream)`` orders ``stream`` after one layer of a load (enqueues the
+    wait and returns; a layer this submission did not move needs no wait). ``query()`` says
+    without blocking whether everything enqueued has finished, ``synchronize()`` blocks
+    until it has, and ``check()`` raises the transfer's failure (a
+    :class:`~kvcore.errors.KVCoreError`) once it has finished. On a device without streams
+    everything already ran when ``submit`` returned.
+    """
+
+    __slots__ = ("_waits", "completions", "event")
+
+    def __init__(self, waits: dict[int, Any], event: Any, completions: list[Any]) -> None:
+        self._waits = waits
+        self.event = event
+        self.completions = completions
+
+    @property
+    def layers(self) -> tuple[int, ...]:
+        """The layers a consumer can wait for (every layer of a load; none for a write)."""
+        return tuple(self._waits)
+
+    def wait_layer(self, layer: int, stream: Any) -> None:
+        wait = self._waits.get(layer)
+        if wait is None or stream is None:
+            return
+        if isinstance(wait, LayerSignals):
+            wait.wait_layer(layer, stream)
+        else:
+            stream.wait_event(wait)
+
+    def query(self) -> bool:
+        return self.event is None or bool(self.event.query())
+
+    def synchronize(self) -> None:
+        if self.event is not None:
+            self.event.synchronize()
+
+    def check(self) -> None:
+        for c in self.completions:
+            c.check()
+
+
+class BoundPlan:
+    """A :class:`~kvcore.plan.TransferPlan` bound to ``device_pool`` and ``host_pool``.
+
+    Construction raises a typed error for a pool the plan cannot serve, and builds the
+    backend (a kernel that cannot be built fails here, not at the first transfer). The
+    variant is the first declared one whose page window holds the pools' pages; where it wants
+    an index on the CPU and the caller's is on the device, the first fitting variant that
+    takes both on the device runs instead, so no call copies device indices back to wait for
+    them (only a backend that declares no such variant makes a submit do that).
+    """
+
+    def __init__(self, plan: TransferPlan, device_pool: DevicePool, host_pool: HostPool) -> None:
+        self.plan = plan
+        self.device_pool = device_pool
+        self.host_pool = host_pool
+        self.op = plan.request.op
+        self.device = device_pool.device
+        _check_pools(plan, device_pool, host_pool)
+        g = host_pool.geometry
+        self.num_layers = g.num_layers
+        page_bytes = plan.page_bytes(g.page_size, g.num_layers)
+        self.support = plan.select(page_bytes)
+        _check_support(plan, self.support, device_pool, host_pool)
+        fitting = [v for v in plan.variants if v.fits_page(page_bytes)]
+        on_device = [v for v in fitting if _wants(v, Residency.DEVICE)]
+        self.device_support = on_device[0] if on_device else self.support
+        if self.device_support is not self.support:
+            _check_support(plan, self.device_support, device_pool, host_pool)
+        self.backend: TransferBackend = _build(plan)
+        self._host_size = g.size
+        self._device_size = device_pool.size
+        self._page_size = g.page_size
+
+    @property
+    def context(self) -> str:
+        return self.plan.context
+
+    def check(self, host_indices: object, device_indices: object, layer: int | None = None,
+              *, host_trusted: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """Check the index tensors without waiting for the device; return them typed.
+
+        Always: type, dtype, rank, device, equal lengths and ``layer``. Values of tensors on
+        the CPU: range, whole host pages, no duplicate destination (host slots for a
+        write-back, device slots for a load). ``host_trusted`` skips the value checks of
+        ``host_indices`` (the controller's own allocator made them).
+        """
+        ctx = self.plan.context
+        h = check_index_tensor("host_indices", host_indices, ctx)
+        d = check_index_tensor("device_indices", device_indices, ctx)
+        for name, t in (("host_indices", h), ("device_indices", d)):
+            if t.device.type != "cpu" and t.device != self.device:
+                raise TensorMismatch(name, f"a tensor on cpu or {self.device}",
+                                     describe_tensor(t), ctx)
+        if h.numel() != d.numel():
+            raise InvalidIndices("device_indices", f"{h.numel()} entries (as many as "
+                                  "host_indices)", f"{d.numel()}", ctx)
+        if self.op is Op.LOAD_LAYER and layer is not None and (
+                not isinstance(layer, int) or not 0 <= layer < self.num_layers):
+            raise InvalidArgument("layer", f"an int in [0, {self.num_layers}) or None (every "
+                                  "layer)", repr(layer), ctx)
+        if self.op is not Op.LOAD_LAYER and layer is not None:
+            raise InvalidArgument("layer", f"None ({self.op.value} moves every layer)",
+                                  repr(layer), ctx)
+        write = self.op is Op.WRITE_BACK
+        if h.device.type == "cpu" and not host_trusted:
+            check_cpu_indices("host_indices", h, self._host_size, ctx,
+                              page_size=self._page_size, unique=write)
+        if d.device.type == "cpu":
+            check_cpu_indices("device_indices", d, self._device_size, ctx, unique=not write)
+        return h, d
+
+    def variant_for(self, host_indices: torch.Tensor, device_indices: torch.Tensor,
+                    ) -> OpSupport:
+        """The variant a submit of these tensors runs: :attr:`support`, or
+        :attr:`device_support` where the caller's indices are on the device and
+        :attr:`support` wants one of them on the CPU."""
+        s = self.support
+        if ((host_indices.device.type != "cpu" and s.host_index.residency is Residency.HOST)
+                or (device_indices.device.type != "cpu"
+                    and s.device_index.residency is Residency.HOST)):
+            return self.device_support
+        return s
+
+    def place(self, host_indices: torch.Tensor, device_indices: torch.Tensor,
+              support: OpSupport | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Both tensors where ``support`` (default: the variant a submit of them would run)
+        wants them, on the current stream. A caller that submits the same indices many times
+        places them once; its submits then move nothing. Placing device-resident indices for
+        :attr:`support` may copy them to the CPU, which waits for the device."""
+        if support is None:
+            support = self.variant_for(host_indices, device_indices)
+        return (_place(host_indices, support.host_index, self.device),
+                _place(device_indices, support.device_index, self.device))
+
+    def submit(self, host_indices: torch.Tensor, device_indices: torch.Tensor, *,
+               layer: int | None = None, stream: Any = None, check: bool = True,
+               host_trusted: bool = False, chained: bool = False) -> Submission:
+        """Check, place and enqueue the operation on ``stream`` (default: the device's
+        current stream); never waits for the device.
+
+        For a per-layer load, ``layer`` None moves every layer: as one job where the variant
+        has ``layer_signals``, else one job per layer; the returned submission can wait for
+        each layer. An int moves that layer only (``chained``: the caller promises the work
+        just before it on ``stream`` is another layer of the same load, see
+        :class:`~kvcore.backend.TransferJob`). ``check=False`` skips the value checks (the
+        caller already ran :meth:`check` on these tensors).
+        """
+        if check:
+            h, d = self.check(host_indices, device_indices, layer, host_trusted=host_trusted)
+        else:
+            h, d = host_indices, device_indices
+        support = self.variant_for(h, d)
+        s = stream if stream is not None else current_stream(self.device)
+        with on_stream(s):
+            hp = _place(h, support.host_index, self.device)
+            dp = _place(d, support.device_index, self.device)
+            if self.op is not Op.LOAD_LAYER:
+                done = self._run(support, hp, dp, None, s, False)
+                event = recorded_event(self.device, s)
+                waits = dict.fromkeys(range(self.num_layers), event) \
+                    if self.op is Op.LOAD_ALL else {}
+                return Submission(waits, event, [done] if done is not None else [])
+            if layer is not None:
+                done = self._run(support, hp, dp, layer, s, chained)
+                event = recorded_event(self.device, s)
+                return Submission({layer: event}, event, [done] if done is not None else [])
+            if support.layer_signals:
+                signals = self._run(support, hp, dp, None, s, False)
+                if not isinstance(signals, LayerSignals):
+                    raise ContractViolation(
+                        f"{self.context}: variant {support.variant!r} declares layer_signals, "
+                        "so a job for every layer must return LayerSignals (wait_layer, "
+                        f"check); it returned {type(signals).__name__}")
+                event = recorded_event(self.device, s)
+                return Submission(dict.fromkeys(range(self.num_layers), signals), event,
+                                  [signals])
+            waits: dict[int, Any] = {}
+            completions = []
+            for n in range(self.num_layers):
+                done = self._run(support, hp, dp, n, s, n > 0)
+                if done is not None:
+                    completions.append(done)
+                waits[n] = recorded_event(self.device, s)
+            return Submission(waits, waits[self.num_layers - 1], completions)
+
+    def _run(self, support: OpSupport, h: torch.Tensor, d: torch.Tensor, layer: int | None,
+             stream: Any, chained: bool) -> Any:
+        hp = self.host_pool
+        return self.backend.run(TransferJob(
+            op=self.op, support=support, device_pool=self.device_pool,
+            host_buffer=hp.buffer, host_geometry=hp.geometry, host_strides=hp.strides,
+            host_indices=h, device_indices=d, layer=layer, stream=stream, chained=chained))
+
+
+def _wants(v: OpSupport, residency: Residency) -> bool:
+    return v.host_index.residency is residency and v.device_index.residency is residency
+
+
+def _place(indices: torch.Tensor, spec: IndexSpec, device: torch.device) -> torch.Tensor:
+    """``indices`` where ``spec`` wants them, in a dtype it accepts, contiguous. A CPU tensor
+    bound for a device with streams goes from pinned memory, without waiting, on the current
+    stream."""
+    target = residency_device(spec.residency, device)
+    dtype = indices.dtype if indices.dtype in spec.dtypes else spec.dtypes[0]
+    if indices.device == target and indices.dtype == dtype and indices.is_contiguous():
+        return indices
+    if indices.device.type == "cpu" and has_streams(target):
+        staged = torch.empty(indices.shape, dtype=dtype, pin_memory=True)
+        staged.copy_(indices)
+        return staged.to(target, non_blocking=True)
+    return indices.to(device=target, dtype=dtype).contiguous()
+
+
+def _check_pools(plan: TransferPlan, device_pool: DevicePool, host_pool: HostPool) -> None:
+    """Everything about the pool pair the plan must agree with, before any kernel sees it."""
+    r = plan.request
+    ctx = plan.context
+    g = host_pool.geometry
+    if device_pool.device != r.device:
+        raise TensorMismatch("device_pool", f"tensors on {r.device} (the plan's device)",
+                             str(device_pool.device), ctx)
+    facts = [("dtype", r.dtype, device_pool.dtype, host_pool.dtype),
+             ("kind", r.kind, device_pool.kind, g.kind),
+             ("num_layers", None, device_pool.num_layers, g.num_layers),
+             ("head_num", None, device_pool.head_num, g.head_num),
+             ("head_dim", None, device_pool.head_dim, g.head_dim),
+             ("page_size", None, device_pool.page_size, g.page_size)]
+    for field, planned, dev_v, host_v in facts:
+        if planned is not None and dev_v != planned:
+            raise TensorMismatch(f"device_pool.{field}", f"{planned} (the plan's)", str(dev_v),
+                                 ctx)
+        if host_v != dev_v:
+            raise TensorMismatch(f"host_pool.{field}", f"{dev_v} (as the device pool)",
+                                 str(host_v), ctx)
+    if g.layout is not r.layout:
+        raise TensorMismatch("host_pool.layout", f"{r.layout.value} (the plan's)",
+                             g.layout.value, ctx)
+    if device_pool.element_bytes != r.element_bytes:
+        raise TensorMismatch("device_pool", f"elements of {r.element_bytes} B (the plan's)",
+                             f"{device_pool.element_bytes} B", ctx)
+    if plan.host_memory is HostMemory.PINNED and host_pool.memory is not HostMemory.PINNED:
+        raise TensorMismatch("host_pool", f"pinned host memory for {ctx}",
+                             f"{host_pool.memory.value} memory; allocate it with "
+                             "kvcore.allocate_host_pool so the backend chooses the allocator")
+    if plan.host_memory is HostMemory.PINNED and not host_pool.buffer.is_pinned():
+        raise TensorMismatch("host_pool.buffer", f"a pinned buffer for {ctx}",
+                             "a buffer that is not pinned (its memory says pinned)")
+
+
+def _check_support(plan: TransferPlan, support: OpSupport, device_pool: DevicePool,
+                   host_pool: HostPool) -> None:
+    """What the chosen variant asks of the pools: aligned data pointers, contiguous pages."""
+    align = support.element_alignment
+    named = [("host_pool.buffer", host_pool.buffer)] + [
+        (f"device_pool layer {i}", t) for i, t in enumerate(device_pool.all_buffers())]
+    for name, t in named:
+        if t.data_ptr() % align:
+            raise TensorMismatch(name, f"a data pointer aligned to {align} B for "
+                                 f"{plan.context}", f"address {t.data_ptr():#x}")
+    if support.contiguous_pages and not page_contiguous(host_pool.geometry):
+        raise TensorMismatch("host_pool", f"contiguous host pages for {plan.context} "
+                             f"variant {support.variant}", "a layout whose pages are split")
+
+
+def _build(plan: TransferPlan) -> TransferBackend:
+    """The plan's backend instance, built now so a kernel that cannot be built fails here."""
+    try:
+        return plan.instance()
+    except KVCoreError:
+        raise
+    except Exception as exc:
+        raise BuildError(f"backend {plan.backend_name!r} could not be built for "
+                         f"{plan.request.device} ({plan.context}): "
+                         f"{type(exc).__name__}: {exc}") from exc

@@ -206,9 +206,9 @@ class SlotAllocator:
 class HostPool:
     """A host buffer in one of the layouts of :mod:`kvcore.layout`, plus its slot allocator.
 
-    Build it with :meth:`allocate`, which asks the backend that will serve this device for a
-    buffer its kernels can use (pinned where the platform has it, plain on CPU), or with
-    :meth:`wrap` around a buffer you already own.
+    Build it with :func:`kvcore.allocate_host_pool`, which asks the backend that will serve
+    the device for a buffer its kernels can use (pinned where the platform has it, plain on
+    the CPU), or with :meth:`wrap` around a buffer you already own.
     """
 
     def __init__(self, geometry: Geometry, buffer: torch.Tensor, memory: HostMemory) -> None:
@@ -238,24 +238,6 @@ class HostPool:
         g = Geometry(k, lay, num_layers, size, head_num, head_dim, page_size)  # type: ignore[arg-type]
         if memory is None:
             memory = HostMemory.PINNED if buffer.is_pinned() else HostMemory.PLAIN
-        return cls(g, buffer, memory)
-
-    @classmethod
-    def allocate(cls, kind: Kind | str, layout: Layout | str, num_layers: int, size: int,
-                 head_num: int, head_dim: int, dtype: torch.dtype, page_size: int,
-                 device: torch.device | str, backend: str | None = None,
-                 registry: object = None) -> HostPool:
-        """Allocate through the backend that write-back on ``device`` resolves to."""
-        from kvcore.registry import default_registry, make_request
-
-        k = parse_enum(Kind, kind, "kind")
-        lay = parse_enum(Layout, layout, "layout")
-        g = Geometry(k, lay, num_layers, size, head_num, head_dim, page_size)  # type: ignore[arg-type]
-        reg = registry or default_registry()
-        req = make_request("write_back", k, lay, dtype, head_num * head_dim * dtype.itemsize,
-                           device)
-        plan = reg.resolve(req, backend)  # type: ignore[attr-defined]
-        buffer, memory = plan.instance().allocate_host(host_shape(g), dtype)
         return cls(g, buffer, memory)
 
 

@@ -49,8 +49,9 @@ from kvcore.errors import (
     NoBackend,
     PluginLoadError,
 )
-from kvcore.layout import Kind, Layout, Op, check_combination, parse_enum
+from kvcore.layout import Geometry, Kind, Layout, Op, check_combination, host_shape, parse_enum
 from kvcore.plan import TransferPlan, TransferRequest
+from kvcore.pools import HostPool
 from kvcore.streams import resolve_device
 
 try:  # the backport is a declared dependency; the stdlib module serves where it is absent
@@ -331,6 +332,23 @@ def reset_default_registry() -> None:
     global _default
     with _default_lock:
         _default = None
+
+
+def allocate_host_pool(kind: Kind | str, layout: Layout | str, num_layers: int, size: int,
+                       head_num: int, head_dim: int, dtype: torch.dtype, page_size: int,
+                       device: torch.device | str, backend: str | None = None,
+                       registry: Registry | None = None) -> HostPool:
+    """A new host pool whose buffer comes from the backend that write-back on ``device``
+    resolves to (``backend`` forces one): memory its kernels can dereference, pinned where
+    the platform has it, plain on the CPU. The allocator is the backend's choice."""
+    k = parse_enum(Kind, kind, "kind")
+    lay = parse_enum(Layout, layout, "layout")
+    g = Geometry(k, lay, num_layers, size, head_num, head_dim, page_size)  # type: ignore[arg-type]
+    req = make_request(Op.WRITE_BACK, k, lay, dtype, head_num * head_dim * dtype.itemsize,
+                       device)
+    plan = (registry or default_registry()).resolve(req, backend)
+    buffer, memory = plan.instance().allocate_host(host_shape(g), dtype)
+    return HostPool(g, buffer, memory)
 
 
 def make_request(op: Op | str, kind: Kind | str, layout: Layout | str, dtype: torch.dtype,

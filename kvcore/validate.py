@@ -2,21 +2,16 @@
 
 Every check raises a typed error naming the argument, what was expected and what came, and
 changes nothing. Only index values already on the CPU are checked here (before anything is
-enqueued); device-resident values are the kernels' to refuse (see :mod:`kvcore.bound`).
+enqueued); device-resident values are the kernels' to refuse (see :mod:`kvcore.plan`).
 """
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from kvcore.capabilities import INDEX_DTYPES
 from kvcore.errors import InvalidIndices, TensorMismatch
-
-if TYPE_CHECKING:
-    pass
 
 
 def describe_tensor(t: object) -> str:

@@ -6,6 +6,7 @@ tensors, so it can be used on a live server at start-up.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -15,7 +16,8 @@ from kvcore.layout import Geometry, Op, host_shape
 from kvcore.pools import DevicePool, HostPool
 
 if TYPE_CHECKING:
-    from kvcore.controller import HiCacheController
+    from kvcore.plan import TransferPlan
+    from kvcore.registry import Registry
 
 REFERENCE = "reference"
 
@@ -62,34 +64,36 @@ def _same_bytes(a: DevicePool | torch.Tensor, b: DevicePool | torch.Tensor) -> b
     return all(torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in pairs)
 
 
-def verify_plans(ctl: HiCacheController) -> None:
-    """For each member whose plans are not the reference's: write back one page and load it
-    back (per layer and all layers) on scratch pools, with the plan and with the reference,
-    and require identical bytes. Raises TransferFailed naming the plan that differs."""
+def verify_plans(pairs: Sequence[tuple[DevicePool, HostPool]],
+                 plans_of: dict[tuple[int, Op], TransferPlan], registry: Registry) -> None:
+    """For each pool pair whose plans (``plans_of[(pair index, op)]``) are not the
+    reference's: write back one page and load it back (per layer and all layers) on scratch
+    pools, with the plan and with the reference, and require identical bytes. Raises
+    TransferFailed naming the plan that differs."""
     gen = torch.Generator().manual_seed(0x6B76)
-    for i, m in enumerate(ctl.members):
-        plans = {op: ctl.plans[(i, op)] for op in Op}
+    for i, (m_device, m_host) in enumerate(pairs):
+        plans = {op: plans_of[(i, op)] for op in Op}
         if all(p.backend_name == REFERENCE for p in plans.values()):
             continue
-        g = m.host.geometry
+        g = m_host.geometry
         small = Geometry(g.kind, g.layout, g.num_layers, 2 * g.page_size, g.head_num,
                          g.head_dim, g.page_size)
-        dev = _scratch_device(m.device, g, gen)
+        dev = _scratch_device(m_device, g, gen)
         host_buf, memory = plans[Op.WRITE_BACK].instance().allocate_host(host_shape(small),
-                                                                          m.device.dtype)
+                                                                          m_device.dtype)
         host = HostPool(small, host_buf, memory)
         ref_host = HostPool(small, torch.empty_like(host_buf, device="cpu"), memory)
         random_fill(host.buffer, gen)
         ref_host.buffer.copy_(host.buffer)
         h = torch.arange(g.page_size, 2 * g.page_size, dtype=torch.int64)
-        d = torch.arange(g.page_size, dtype=torch.int64, device=m.device.device).flip(0)
+        d = torch.arange(g.page_size, dtype=torch.int64, device=m_device.device).flip(0)
         for op, plan in plans.items():
-            ref = ctl.registry.resolve(plan.request, REFERENCE)
+            ref = registry.resolve(plan.request, REFERENCE)
             if op is Op.WRITE_BACK:
                 subs = [plan.transfer(dev, host, h, d), ref.transfer(dev, ref_host, h, d)]
                 outcome = (host.buffer, ref_host.buffer)
             else:
-                target = _scratch_device(m.device, g, gen)
+                target = _scratch_device(m_device, g, gen)
                 ref_target = target.clone()
                 subs = [plan.transfer(target, host, h, d), ref.transfer(ref_target, host, h, d)]
                 outcome = (target, ref_target)

@@ -40,8 +40,8 @@ from kvcore.bench.sweep import Case, parse_dtype
 from kvcore.bench.timing import Clock, gib_per_s
 from kvcore.controller import HiCacheController
 from kvcore.layout import Kind, Layout, Op, parse_enum
-from kvcore.pools import DevicePool, HostPool
-from kvcore.registry import REFERENCE
+from kvcore.pools import DevicePool
+from kvcore.registry import REFERENCE, allocate_host_pool
 from kvcore.streams import has_streams
 from kvcore.verify import random_fill
 
@@ -116,7 +116,7 @@ def measure_rank(rank: int, world: int, device: torch.device, args: argparse.Nam
     nbytes = case.bytes_moved
     dev = DevicePool.allocate(case.kind, case.num_layers, case.pool_tokens, case.head_num,
                               case.head_dim, case.dtype, device, case.page_size)
-    host = HostPool.allocate(case.kind, case.layout, case.num_layers, case.pool_tokens,
+    host = allocate_host_pool(case.kind, case.layout, case.num_layers, case.pool_tokens,
                              case.head_num, case.head_dim, case.dtype, case.page_size, device,
                              backend=args.backend)
     gen = torch.Generator().manual_seed(rank)

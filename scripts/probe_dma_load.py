@@ -21,8 +21,8 @@ from kvcore.bench.sweep import Case
 from kvcore.bench.timing import Clock
 from kvcore.layout import Kind, Layout, Op
 from kvcore.native import native_ops
-from kvcore.pools import DevicePool, HostPool
-from kvcore.registry import default_registry, make_request
+from kvcore.pools import DevicePool
+from kvcore.registry import allocate_host_pool, default_registry, make_request
 from kvcore.streams import new_stream, on_stream
 
 
@@ -41,7 +41,7 @@ def main() -> None:
                             128, layers, dim)
                 dpool = DevicePool.allocate(kind, layers, case.pool_tokens, case.head_num,
                                             case.head_dim, case.dtype, dev, case.page_size)
-                hpool = HostPool.allocate(kind, case.layout, layers, case.pool_tokens,
+                hpool = allocate_host_pool(kind, case.layout, layers, case.pool_tokens,
                                           case.head_num, case.head_dim, case.dtype,
                                           case.page_size, dev, backend="cuda", registry=reg)
                 sets = index_sets(case, torch.Generator().manual_seed(0), dev)

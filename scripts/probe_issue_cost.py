@@ -20,8 +20,8 @@ import torch
 from kvcore.bench.runner import Call, index_sets
 from kvcore.bench.sweep import Case
 from kvcore.layout import Kind, Layout, Op
-from kvcore.pools import DevicePool, HostPool
-from kvcore.registry import default_registry, make_request
+from kvcore.pools import DevicePool
+from kvcore.registry import allocate_host_pool, default_registry, make_request
 
 
 def main() -> None:
@@ -34,7 +34,7 @@ def main() -> None:
     sets = index_sets(case, torch.Generator().manual_seed(0), dev)
     dpool = DevicePool.allocate(case.kind, 16, case.pool_tokens, case.head_num, case.head_dim,
                                 case.dtype, dev, case.page_size)
-    hpool = HostPool.allocate(case.kind, case.layout, 16, case.pool_tokens, case.head_num,
+    hpool = allocate_host_pool(case.kind, case.layout, 16, case.pool_tokens, case.head_num,
                               case.head_dim, case.dtype, case.page_size, dev,
                               backend=args.backend, registry=reg)
     req = make_request(Op.LOAD_LAYER, case.kind, case.layout, case.dtype, case.element_bytes, dev)

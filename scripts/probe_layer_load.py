@@ -27,8 +27,8 @@ import torch
 from kvcore.bench.runner import Call, index_sets
 from kvcore.bench.sweep import Case
 from kvcore.layout import Kind, Layout, Op
-from kvcore.pools import DevicePool, HostPool
-from kvcore.registry import default_registry, make_request
+from kvcore.pools import DevicePool
+from kvcore.registry import allocate_host_pool, default_registry, make_request
 from kvcore.verify import random_fill
 
 SHAPES = [  # (kind, layout, num_layers, element_dim)
@@ -64,7 +64,7 @@ def probe(backend: str, kind: Kind, layout: Layout, layers: int, elem: int) -> d
     sets = index_sets(c, gen, dev)
     dpool = DevicePool.allocate(kind, layers, c.pool_tokens, c.head_num, c.head_dim,
                                 c.dtype, dev, c.page_size)
-    hpool = HostPool.allocate(kind, layout, layers, c.pool_tokens, c.head_num, c.head_dim,
+    hpool = allocate_host_pool(kind, layout, layers, c.pool_tokens, c.head_num, c.head_dim,
                               c.dtype, c.page_size, dev, backend=backend, registry=reg)
     for t in (*dpool.all_buffers(), hpool.buffer):
         random_fill(t, gen, on=dev)

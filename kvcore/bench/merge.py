@@ -11,7 +11,8 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from kvcore.bench.runner import BenchResult, Row
+from kvcore.bench.row import Row
+from kvcore.bench.runner import BenchResult
 from kvcore.bench.sweep import Case, parse_dtype
 from kvcore.bench.timing import Timing
 from kvcore.errors import InvalidArgument

@@ -36,75 +36,19 @@ import torch
 
 from kvcore.bench.ceiling import Ceiling
 from kvcore.bench.machine import machine_facts
+from kvcore.bench.row import FAILED, OK, UNSUPPORTED, Row
 from kvcore.bench.slowdown import CaseRun, Tolerances, slowdown
 from kvcore.bench.sweep import Case
-from kvcore.bench.timing import Clock, Timing, gib_per_s
-from kvcore.bound import Submission
+from kvcore.bench.timing import Clock, Timing
 from kvcore.capabilities import Unavailable
 from kvcore.errors import InvalidArgument, KVCoreError
-from kvcore.plan import TransferPlan
+from kvcore.plan import Submission, TransferPlan
 from kvcore.pools import DevicePool, HostPool
-from kvcore.registry import REFERENCE, Registry, make_request
+from kvcore.registry import REFERENCE, Registry, allocate_host_pool, make_request
 from kvcore.streams import current_stream, has_streams, new_stream, on_stream
 from kvcore.verify import random_fill
 
 SCHEMA_ID = "kvcore.bench/1"
-OK, FAILED, UNSUPPORTED = "ok", "failed", "unsupported"
-
-
-@attrs.define
-class Row:
-    """One (case, backend) result. ``timing`` is None unless the row passed its check."""
-
-    case: Case
-    backend: str
-    backend_version: str | None = None
-    variant: str | None = None
-    status: str = OK
-    reason: str | None = None
-    timing: Timing | None = None
-    ceiling: Timing | None = None
-    ceiling_kind: str | None = None
-    speedup: float | None = None
-    #: how much slower the case's own ceiling copy ran than the run's fastest (see slowdown.py)
-    host_slowdown: float | None = None
-    #: how many times the case was run (more than 1 where the host was slow the first time)
-    attempts: int = 1
-
-    @property
-    def gib_s(self) -> float | None:
-        return self.timing.gib_s(self.case.bytes_moved) if self.timing else None
-
-    @property
-    def ceiling_gib_s(self) -> float | None:
-        return self.ceiling.gib_s(self.case.bytes_moved) if self.ceiling else None
-
-    @property
-    def ratio(self) -> float | None:
-        """Achieved throughput over the ceiling's (= ceiling time / achieved time)."""
-        if self.timing is None or self.ceiling is None:
-            return None
-        return ratio(self.case.bytes_moved, self.timing.median_ms, self.ceiling.median_ms)
-
-    def facts(self) -> dict[str, Any]:
-        return {
-            "backend": self.backend, "backend_version": self.backend_version,
-            "variant": self.variant, **self.case.facts(), "status": self.status,
-            "reason": self.reason,
-            "timing": self.timing.facts() if self.timing else None,
-            "gib_s": self.gib_s,
-            "ceiling": (None if self.ceiling is None else
-                        {"copy": self.ceiling_kind, **self.ceiling.facts(),
-                         "gib_s": self.ceiling_gib_s}),
-            "ratio": self.ratio, "speedup": self.speedup,
-            "host_slowdown": self.host_slowdown, "attempts": self.attempts,
-        }
-
-
-def ratio(nbytes: int, achieved_ms: float, ceiling_ms: float) -> float:
-    """achieved GiB/s / ceiling GiB/s for the same byte count."""
-    ceiling = gib_per_s(nbytes, ceiling_ms)
-    return gib_per_s(nbytes, achieved_ms) / ceiling if ceiling > 0 else 0.0
 
 
 @attrs.define
@@ -122,6 +66,8 @@ class BenchResult:
     #: cases not run that ``not_run_cases`` cannot name (read from a file that did not list
     #: them)
     not_run_unnamed: int = 0
+    #: rows through the controller (:mod:`kvcore.bench.queue`): what an engine calls
+    controller_rows: list[Any] = attrs.field(factory=list)
 
     @property
     def not_run(self) -> int:
@@ -133,7 +79,8 @@ class BenchResult:
                 "not_run": self.not_run,
                 "not_run_cases": [c.facts() for c in self.not_run_cases],
                 "machine": self.machine, "settings": self.settings,
-                "backends": self.backends, "rows": [r.facts() for r in self.rows]}
+                "backends": self.backends, "rows": [r.facts() for r in self.rows],
+                "controller_rows": [r.facts() for r in self.controller_rows]}
 
 
 @attrs.define
@@ -415,7 +362,7 @@ class Bench:
     def _allocate(self, case: Case, backend: str) -> tuple[DevicePool, HostPool]:
         dev = DevicePool.allocate(case.kind, case.num_layers, case.pool_tokens, case.head_num,
                                   case.head_dim, case.dtype, self.device, case.page_size)
-        host = HostPool.allocate(case.kind, case.layout, case.num_layers, case.pool_tokens,
+        host = allocate_host_pool(case.kind, case.layout, case.num_layers, case.pool_tokens,
                                  case.head_num, case.head_dim, case.dtype, case.page_size,
                                  self.device, backend=backend, registry=self.registry)
         return dev, host
@@ -441,7 +388,8 @@ class Call:
         """Check and place every index set; returns the variant the first one uses."""
         for h, d in self.raw_sets:
             self.bound.check(h, d)
-            self.placed.append(self.bound.place(h, d))
+            # where the plan's own variant wants them (copy-engine loads take CPU indices)
+            self.placed.append(self.bound.place(h, d, self.bound.support))
         return self.bound.variant_for(*self.placed[0]).variant
 
     def check_and_run(self, i: int) -> str:

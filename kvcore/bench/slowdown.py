@@ -30,7 +30,7 @@ from kvcore.bench.timing import Timing
 from kvcore.registry import REFERENCE
 
 if TYPE_CHECKING:
-    from kvcore.bench.runner import Row
+    from kvcore.bench.row import Row
 
 #: a case whose contiguous copy ran this much slower than the run's fastest is timed again
 SLOWDOWN_TOLERANCE = 0.03

@@ -19,8 +19,8 @@ import torch
 from kvcore.controller import CacheEvent, HiCacheController, WritePolicy
 from kvcore.errors import InvalidArgument, KVCoreError
 from kvcore.layout import Kind, Layout, parse_enum
-from kvcore.pools import DevicePool, HostPool
-from kvcore.registry import Registry, default_registry
+from kvcore.pools import DevicePool
+from kvcore.registry import Registry, allocate_host_pool, default_registry
 from kvcore.replay.pages import PageCodec
 from kvcore.replay.prefix_index import NOWHERE, PageEntry, PrefixIndex
 from kvcore.replay.report import ReplayStats
@@ -84,7 +84,7 @@ class Replay:
         P = c.page_size
         self.device_pool = DevicePool.allocate(c.kind, c.num_layers, dev_pages * P, c.head_num,
                                                c.head_dim, c.dtype, c.device, P)
-        self.host_pool = HostPool.allocate(c.kind, c.layout, c.num_layers, host_pages * P,
+        self.host_pool = allocate_host_pool(c.kind, c.layout, c.num_layers, host_pages * P,
                                            c.head_num, c.head_dim, c.dtype, P, c.device,
                                            backend=c.backend, registry=reg)
         self.ctl = HiCacheController(self.device_pool, self.host_pool, c.write_policy,

@@ -7,7 +7,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcore.bench.runner import Row, index_sets, ratio
+from kvcore.bench.row import Row, ratio
+from kvcore.bench.runner import index_sets
 from kvcore.bench.sweep import PRESETS, bytes_moved, expand, override
 from kvcore.bench.timing import Clock, Timing, gib_per_s
 from kvcore.errors import InvalidArgument

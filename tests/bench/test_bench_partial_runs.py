@@ -12,7 +12,8 @@ import torch
 
 from kvcore.bench import report
 from kvcore.bench.merge import load, merge
-from kvcore.bench.runner import OK, Bench
+from kvcore.bench.row import OK
+from kvcore.bench.runner import Bench
 from kvcore.cli import main
 from kvcore.errors import InvalidArgument
 from kvcore.layout import Kind, Op
@@ -21,7 +22,7 @@ from kvcore.registry import REFERENCE, default_registry
 from .helpers import case
 
 CPU = torch.device("cpu")
-SMALL = ["--page-size", "4", "--batch-pages", "2", "--total-pages", "4", "--element-dim", "128",
+SMALL = ["--through", "kernel", "--page-size", "4", "--batch-pages", "2", "--total-pages", "4", "--element-dim", "128",
          "--warmup", "1", "--repeat", "2", "--layout", "page_first", "--backend", REFERENCE]
 
 

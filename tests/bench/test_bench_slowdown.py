@@ -11,7 +11,8 @@ import torch
 
 from kvcore.bench import report
 from kvcore.bench.ceiling import Ceiling
-from kvcore.bench.runner import OK, Bench
+from kvcore.bench.row import OK
+from kvcore.bench.runner import Bench
 from kvcore.bench.timing import Clock, Timing
 from kvcore.errors import InvalidArgument
 from kvcore.layout import Kind, Op

@@ -22,7 +22,7 @@ from kvcore.capabilities import (
 )
 from kvcore.layout import Kind, Layout, Op, layouts_for
 from kvcore.pools import DevicePool, HostPool
-from kvcore.registry import Registry
+from kvcore.registry import Registry, allocate_host_pool
 from kvcore.testing.recording import Received, RecordingBackend
 
 #: Every (kind, layout) pair that exists.
@@ -70,7 +70,7 @@ def make_pools(kind: Kind, layout: Layout, *, num_layers: int, host_pages: int,
     """A CPU device pool and a host pool allocated through the reference backend."""
     dev = DevicePool.allocate(kind, num_layers, device_size, head_num, head_dim, dtype, "cpu",
                               page_size)
-    host = HostPool.allocate(kind, layout, num_layers, host_pages * page_size, head_num,
+    host = allocate_host_pool(kind, layout, num_layers, host_pages * page_size, head_num,
                              head_dim, dtype, page_size, "cpu", backend="reference",
                              registry=registry)
     return dev, host

@@ -19,7 +19,7 @@ from kvcore.errors import (
 )
 from kvcore.layout import Kind, Layout
 from kvcore.pools import DevicePool, HostPool
-from kvcore.registry import Registry
+from kvcore.registry import Registry, allocate_host_pool
 
 from .helpers import all_ops, fake_spec, make_pools
 
@@ -42,7 +42,7 @@ def _pools(reg: Registry, layout: Layout = Layout.LAYER_FIRST, kind: Kind = Kind
 
 def test_mla_page_head_host_pool_is_refused(reg: Registry) -> None:
     with pytest.raises(UnsupportedCombination, match=r"page_head is defined for MHA only"):
-        HostPool.allocate("mla", "page_head", 2, 16, 1, 8, torch.bfloat16, 4, "cpu",
+        allocate_host_pool("mla", "page_head", 2, 16, 1, 8, torch.bfloat16, 4, "cpu",
                           registry=reg)
     with pytest.raises(UnsupportedCombination, match=r"page_head"):
         HostPool.wrap(torch.empty(4, 1, 4, 2, 8), "mla", "page_head", 2, 1, 8, 4)
@@ -166,5 +166,5 @@ def test_a_factory_that_raises_becomes_a_typed_build_error(reg: Registry) -> Non
     reg.register(attrs.evolve(spec, factory=broken_factory))
     with pytest.raises(BuildError, match=r"backend 'fragile' could not be created for cpu.*"
                                          r"OSError: libkvio_fake.so"):
-        HostPool.allocate("mha", "page_first", 2, 16, 2, 8, torch.bfloat16, 4, "cpu",
+        allocate_host_pool("mha", "page_first", 2, 16, 2, 8, torch.bfloat16, 4, "cpu",
                           backend="fragile", registry=reg)

@@ -14,12 +14,12 @@ import pytest
 import torch
 from kvio_reference.backend import ReferenceBackend
 
-from kvcore.bound import Submission
 from kvcore.capabilities import BackendSpec
 from kvcore.controller import HiCacheController
 from kvcore.errors import ContractViolation, TransferFailed
 from kvcore.handles import LoadHandle
 from kvcore.layout import Kind, Layout, Op
+from kvcore.plan import Submission
 from kvcore.registry import Registry
 from kvcore.verify import random_fill
 

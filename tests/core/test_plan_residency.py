@@ -7,11 +7,11 @@ import itertools
 import pytest
 import torch
 
-from kvcore.bound import BoundPlan
 from kvcore.capabilities import HostMemory, IndexSpec, OpSupport, Residency, residency_device
 from kvcore.controller import HiCacheController
 from kvcore.errors import NoBackend
 from kvcore.layout import Geometry, Kind, Layout, Op, host_shape
+from kvcore.plan import BoundPlan
 from kvcore.pools import DevicePool, HostPool
 from kvcore.registry import Registry, make_request
 from kvcore.verify import random_fill

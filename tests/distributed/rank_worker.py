@@ -21,7 +21,7 @@ from kvcore.capabilities import BackendSpec, IndexSpec, Residency
 from kvcore.controller import HiCacheController
 from kvcore.layout import canonical_view
 from kvcore.pools import DevicePool, HostPool
-from kvcore.registry import Registry
+from kvcore.registry import Registry, allocate_host_pool
 from kvcore.verify import random_fill
 
 PAGE = 4
@@ -95,7 +95,7 @@ def build(rank: int, odd_rank: int, scenario: str, timeout_s: float,
           ) -> tuple[HiCacheController, DevicePool, HostPool]:
     reg, backend = registry_for(rank, odd_rank, scenario)
     dev = DevicePool.allocate("mha", LAYERS, SIZE, 2, 8, torch.float16, "cpu", PAGE)
-    host = HostPool.allocate("mha", "page_first", LAYERS, SIZE, 2, 8, torch.float16, PAGE,
+    host = allocate_host_pool("mha", "page_first", LAYERS, SIZE, 2, 8, torch.float16, PAGE,
                              "cpu", registry=reg)
     ctl = HiCacheController(dev, host, backend=backend, registry=reg,
                             process_group=dist.group.WORLD, agreement_timeout_s=timeout_s)
@@ -142,7 +142,7 @@ WRITES = 3
 
 def acks(rank: int, world: int, odd_rank: int, timeout_s: float) -> object:
     """Write 3 batches; complete them at different times per rank; record every poll."""
-    import kvcore.bound as controller_module  # where the submit records its events
+    import kvcore.plan as controller_module  # where the submit records its events
 
     gate = _Gate()
     real_recorded_event = controller_module.recorded_event
@@ -189,7 +189,7 @@ def failed_ack(rank: int, world: int, odd_rank: int, timeout_s: float) -> object
         if rank == odd_rank:
             faults.arm(Fault(Op.WRITE_BACK, nth=1, mode=FaultMode.ASYNC))
         dev = DevicePool.allocate("mha", LAYERS, SIZE, 2, 8, torch.float16, "cpu", PAGE)
-        host = HostPool.allocate("mha", "page_first", LAYERS, SIZE, 2, 8, torch.float16, PAGE,
+        host = allocate_host_pool("mha", "page_first", LAYERS, SIZE, 2, 8, torch.float16, PAGE,
                                  "cpu", registry=reg)
         ctl = HiCacheController(dev, host, backend=faults.name, registry=reg,
                                 process_group=dist.group.WORLD, agreement_timeout_s=timeout_s)

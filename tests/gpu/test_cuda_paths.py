@@ -15,7 +15,7 @@ from kvcore import DevicePool, HostPool
 from kvcore.cli.backends import default_device
 from kvcore.layout import Op
 from kvcore.plan import TransferPlan
-from kvcore.registry import default_registry, make_request
+from kvcore.registry import allocate_host_pool, default_registry, make_request
 from kvcore.verify import random_fill
 
 DEVICE = default_device()
@@ -46,7 +46,7 @@ def _pools(kind: str, layout: str, gen: torch.Generator) -> tuple[DevicePool, Ho
     heads, dim = _geometry(kind)
     dev = DevicePool.allocate(kind, LAYERS, POOL_PAGES * PAGE, heads, dim, torch.bfloat16,
                               DEVICE, PAGE)
-    host = HostPool.allocate(kind, layout, LAYERS, POOL_PAGES * PAGE, heads, dim,
+    host = allocate_host_pool(kind, layout, LAYERS, POOL_PAGES * PAGE, heads, dim,
                              torch.bfloat16, PAGE, DEVICE, backend="cuda")
     for t in (*dev.all_buffers(), host.buffer):
         random_fill(t, gen)
@@ -100,8 +100,9 @@ def test_dma_per_layer_load_equals_the_reference(kind: str, layout: str) -> None
         dev, host = _pools(kind, layout, gen)
         before = dev.clone()
         expected = dev.clone()
-        for layer in range(LAYERS):
-            plan.transfer(dev, host, h, d.to(DEVICE), layer=layer)
+        for layer in range(LAYERS):  # CPU indices: the copy engine computes addresses there
+            assert plan.bind(dev, host).variant_for(h, d).variant == "dma"
+            plan.transfer(dev, host, h, d, layer=layer)
             ref.transfer(expected, host, h, d.to(DEVICE), layer=layer)
         torch.cuda.synchronize()
         untouched = torch.ones(POOL_PAGES * PAGE, dtype=torch.bool, device=DEVICE)
@@ -187,10 +188,11 @@ def _signaled_load(kind: str, layout: str, gen: torch.Generator, stream: torch.c
     for layer in range(LAYERS):
         ref.transfer(expected, host, h, d.to(DEVICE), layer=layer)
     torch.cuda.synchronize()
-    placed = plan.place_for(host, h, d.to(DEVICE))
-    assert placed.support.layer_signals, placed.support
+    bound = plan.bind(dev, host)
+    assert bound.variant_for(h, d.to(DEVICE)).layer_signals, bound.support
     with torch.cuda.stream(stream):
-        signals = plan.run_signaled(placed, dev, host, stream=stream)
+        sub = bound.submit(h, d.to(DEVICE), stream=stream)
+    (signals,) = sub.completions
     return plan, dev, host, expected, signals, d.to(DEVICE)
 
 
@@ -229,7 +231,8 @@ def test_a_wait_on_a_layer_holds_its_stream_until_the_flag_is_raised() -> None:
     # a wait for the next epoch, whose flag a slow writer enqueued BEFORE the wait raises by
     # hand (as a load does): a wait blocks its hardware queue, which other streams may share,
     # so the work that raises a flag must be enqueued before any wait on it
-    future = type(signals)(plan.instance(), buf, (signals.epoch + 1) & 0xFFFFFFFF)
+    future = type(signals)(plan.instance(), buf, (signals.epoch + 1) & 0xFFFFFFFF,
+                           signals._done)
     writer, consumer = torch.cuda.Stream(DEVICE), torch.cuda.Stream(DEVICE)
     with torch.cuda.stream(writer):
         torch.cuda._sleep(100_000_000)  # about 50 ms
@@ -251,9 +254,8 @@ def test_back_to_back_signaled_loads_on_one_stream_raise_growing_epochs_and_stay
     stream = torch.cuda.Stream(DEVICE)
     plan, dev, host, expected, first, d = _signaled_load("mla", "page_first", gen, stream)
     h, _ = _index_patterns(torch.Generator().manual_seed(77))["scattered"]
-    placed = plan.place_for(host, h, d)
     with torch.cuda.stream(stream):
-        second = plan.run_signaled(placed, dev, host, stream=stream)
+        (second,) = plan.bind(dev, host).submit(h, d, stream=stream).completions
     assert second.epoch == first.epoch + 1
     consumer = torch.cuda.Stream(DEVICE)
     second.wait_layer(LAYERS - 1, consumer)

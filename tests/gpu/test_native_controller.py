@@ -11,7 +11,7 @@ import torch
 from kvcore import DevicePool, HiCacheController, HostPool
 from kvcore.cli.backends import default_device
 from kvcore.layout import Op
-from kvcore.registry import default_registry, make_request
+from kvcore.registry import allocate_host_pool, default_registry, make_request
 from kvcore.verify import random_fill
 
 DEVICE = default_device()
@@ -43,7 +43,7 @@ def _pools(layout: str, kind: str = "mha") -> tuple[DevicePool, HostPool]:
     gen = torch.Generator().manual_seed(1234)
     for t in dev.all_buffers():
         random_fill(t, gen)
-    host = HostPool.allocate(kind, layout, LAYERS, 64 * PAGE, heads, dim, torch.bfloat16, PAGE,
+    host = allocate_host_pool(kind, layout, LAYERS, 64 * PAGE, heads, dim, torch.bfloat16, PAGE,
                              DEVICE)
     host.buffer.view(torch.uint8).fill_(SENTINEL)
     return dev, host
