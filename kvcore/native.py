@@ -7,6 +7,7 @@ Vendor-neutral: it turns a :class:`~kvcore.backend.TransferJob` into the ABI's a
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -16,11 +17,20 @@ import torch
 
 from kvcore.backend import TransferJob
 from kvcore.capabilities import HostMemory, IndexSpec, OpSupport, Residency, op_support
-from kvcore.errors import InvalidArgument
+from kvcore.errors import InvalidArgument, InvalidIndices
 from kvcore.layout import ByteStrides, Kind, Layout, Op
-from kvcore.native_abi import KvioLayout, make_layout
+from kvcore.native_abi import (
+    REPORT_BYTES,
+    REPORT_DEVICE_EPOCH,
+    REPORT_DEVICE_VALUE,
+    REPORT_HOST_EPOCH,
+    REPORT_HOST_VALUE,
+    KvioBounds,
+    KvioLayout,
+    make_layout,
+)
 from kvcore.signals import EventLayerSignals, LayerSignals
-from kvcore.streams import current_stream, recorded_event
+from kvcore.streams import current_stream, has_streams, on_stream, recorded_event
 
 DEVICE_TO_HOST = 0
 HOST_TO_DEVICE = 1
@@ -35,28 +45,30 @@ class NativeLibrary(Protocol):
     def transfer_direct(self, direction: int, k_ptrs: int, v_ptrs: int, layer_begin: int,
                         layer_count: int, host_base: int, layout: Any, host_idx: int,
                         host_idx_64: int, dev_idx: int, dev_idx_64: int, n_tokens: int,
-                        stream: int, chained: bool = False) -> None: ...
+                        stream: int, chained: bool = False,
+                        bounds: KvioBounds | None = None) -> None: ...
 
     def write_back_staged(self, k_ptrs: int, v_ptrs: int, num_layers: int, host_base: int,
                           layout: Any, host_idx_cpu: int, dev_idx: int, dev_idx_64: int,
                           n_tokens: int, staging: int, staging_bytes: int, use_batched: int,
-                          stream: int) -> None: ...
+                          stream: int, bounds: KvioBounds | None = None) -> None: ...
 
     def load_all_staged(self, k_ptrs: int, v_ptrs: int, num_layers: int, host_base: int,
                         layout: Any, host_idx_cpu: int, dev_idx: int, dev_idx_64: int,
                         n_tokens: int, staging: int, staging_bytes: int, use_batched: int,
-                        stream: int) -> None: ...
+                        stream: int, bounds: KvioBounds | None = None) -> None: ...
 
     def load_layer_dma(self, k_dst: int, v_dst: int, layer: int, host_base: int, layout: Any,
                        host_idx_cpu: int, dev_idx_cpu: int, n_tokens: int, use_batched: int,
-                       stream: int) -> None: ...
+                       stream: int, bounds: KvioBounds | None = None) -> None: ...
 
     def has_layer_signals(self) -> bool: ...
 
     def load_layers_signaled(self, k_ptrs: int, v_ptrs: int, num_layers: int, host_base: int,
                              layout: Any, host_idx: int, host_idx_64: int, dev_idx: int,
                              dev_idx_64: int, n_tokens: int, counters: int, flags: int,
-                             epoch: int, stream: int) -> None: ...
+                             epoch: int, stream: int,
+                             bounds: KvioBounds | None = None) -> None: ...
 
     def wait_layer_signal(self, flag: int, epoch: int, stream: int) -> None: ...
 
@@ -97,6 +109,7 @@ class NativeBackend:
         self._retired_signals: list[SignalBuffer] = []  # outgrown; a wait may still read one
         self._signal_lock = threading.Lock()
         self._has_signals: bool | None = None
+        self._report_ring: ReportRing | None = None
 
     def raw_stream(self, stream: Any) -> int:
         """The runtime's handle of a torch stream (0: the default stream)."""
@@ -120,7 +133,7 @@ class NativeBackend:
                                                 device=self.device)
         return self._staging[stream]
 
-    def run(self, job: TransferJob) -> LayerSignals | None:
+    def run(self, job: TransferJob) -> BoundsCompletion | LayerSignals | None:
         pool = job.device_pool
         if pool.device != self.device:
             raise InvalidArgument("device_pool", f"tensors on {self.device}", str(pool.device))
@@ -133,8 +146,10 @@ class NativeBackend:
         stream = self.stream_handle(job.stream)
         h, d = job.host_indices, job.device_indices
         host_base = job.host_buffer.data_ptr()
+        done = self._reports().completion(job)
+        bounds = done.bounds
         if job.op is Op.LOAD_LAYER and job.layer is None:
-            return self._load_signaled(job, k_ptrs, v_ptrs, host_base, layout, stream)
+            return self._load_signaled(job, k_ptrs, v_ptrs, host_base, layout, stream, done)
         if job.support.variant == self.STAGED:
             if job.op is Op.LOAD_LAYER:
                 raise InvalidArgument("job.support", "a per-layer load variant other than "
@@ -146,24 +161,31 @@ class NativeBackend:
             staged(
                 k_ptrs, v_ptrs, job.host_geometry.num_layers, host_base, layout, h.data_ptr(),
                 d.data_ptr(), is_64(d), h.numel(), staging.data_ptr(), staging.numel(),
-                int(self.use_batched), stream)
-            return
+                int(self.use_batched), stream, bounds=bounds)
+            return done
         if job.op is Op.LOAD_LAYER and job.support.variant == self.DMA:
             layer = job.layers.start
             v_dst = pool.layers(1)[layer].data_ptr() if pool.v_ptrs is not None else 0
             self.lib.load_layer_dma(pool.layers(0)[layer].data_ptr(), v_dst, layer, host_base,
                                     layout, h.data_ptr(), d.data_ptr(), h.numel(),
-                                    int(self.use_batched), stream)
-            return
+                                    int(self.use_batched), stream, bounds=bounds)
+            return None  # CPU indices: the library refuses a bad one before enqueueing
         layers = job.layers
         direction = DEVICE_TO_HOST if job.op is Op.WRITE_BACK else HOST_TO_DEVICE
         self.lib.transfer_direct(direction, k_ptrs, v_ptrs, layers.start, len(layers),
                                  host_base, layout, h.data_ptr(), is_64(h), d.data_ptr(),
-                                 is_64(d), h.numel(), stream, chained=job.chained)
-        return None
+                                 is_64(d), h.numel(), stream, chained=job.chained,
+                                 bounds=bounds)
+        return done
+
+    def _reports(self) -> ReportRing:
+        if self._report_ring is None:
+            self._report_ring = ReportRing(self.device)
+        return self._report_ring
 
     def _load_signaled(self, job: TransferJob, k_ptrs: int, v_ptrs: int, host_base: int,
-                       layout: KvioLayout, stream: int) -> LayerSignals:
+                       layout: KvioLayout, stream: int,
+                       done: BoundsCompletion) -> LayerSignals:
         """Every layer of a per-layer load in one launch, each layer raising its own flag.
         Where the library cannot (``has_layer_signals`` false) the layers go one launch each
         with an event after each, which is what the caller would have done."""
@@ -175,27 +197,30 @@ class NativeBackend:
         if self._has_signals is None:
             self._has_signals = self.lib.has_layer_signals()
         if not self._has_signals:  # each layer's job as the plan would have issued it
-            events = []
+            events, completions = [], []
             for layer in range(num_layers):
-                self.run(attrs.evolve(job, layer=layer, chained=layer > 0))
+                completions.append(self.run(attrs.evolve(job, layer=layer, chained=layer > 0)))
                 events.append(recorded_event(self.device, job.stream))
-            return EventLayerSignals(events)
+            return EventLayerSignals(events, [c for c in completions if c is not None])
         with self._signal_lock:  # epochs reach the stream in the order they are handed out
-            buf = self._signal_buffer(stream, num_layers)
+            buf = self._signal_buffer(stream, num_layers, job.stream)
             epoch = buf.next_epoch()
             self.lib.load_layers_signaled(k_ptrs, v_ptrs, num_layers, host_base, layout,
                                           h.data_ptr(), is_64(h), d.data_ptr(), is_64(d),
-                                          h.numel(), buf.counters, buf.flags, epoch, stream)
-        return NativeLayerSignals(self, buf, epoch)
+                                          h.numel(), buf.counters, buf.flags, epoch, stream,
+                                          bounds=done.bounds)
+        return NativeLayerSignals(self, buf, epoch, done)
 
-    def _signal_buffer(self, stream: int, num_layers: int) -> SignalBuffer:
+    def _signal_buffer(self, stream: int, num_layers: int,
+                       torch_stream: Any = None) -> SignalBuffer:
         """The signal memory of ``stream`` (one per stream, as the staging buffers), at least
         ``num_layers`` layers large. An outgrown one is kept: waits may still read it."""
         buf = self._signals.get(stream)
         if buf is None or buf.capacity < num_layers:
             if buf is not None:
                 self._retired_signals.append(buf)
-            buf = self._signals[stream] = SignalBuffer(self.device, max(num_layers, 128))
+            with on_stream(torch_stream):
+                buf = self._signals[stream] = SignalBuffer(self.device, max(num_layers, 128))
         return buf
 
 
@@ -207,9 +232,9 @@ class SignalBuffer:
 
     def __init__(self, device: torch.device, capacity: int) -> None:
         self.capacity = capacity
+        # zeroed on the current stream, which is the stream of the loads that use it (one
+        # buffer per stream): ordered before them without waiting for the device
         self.memory = torch.zeros(2 * capacity, dtype=torch.int32, device=device)
-        # the zeros are enqueued on the current stream; the loads may run on another
-        torch.get_device_module(device).synchronize(device)
         self.counters = self.memory.data_ptr()
         self.flags = self.counters + 4 * capacity
         self.epoch = 0
@@ -223,17 +248,68 @@ class NativeLayerSignals:
     """The LayerSignals of one signaled load: layer l has landed once flag l reaches
     ``epoch``; a wait is a stream-side wait on that flag (no host round trip)."""
 
-    def __init__(self, backend: NativeBackend, buffer: SignalBuffer, epoch: int) -> None:
+    def __init__(self, backend: NativeBackend, buffer: SignalBuffer, epoch: int,
+                 done: BoundsCompletion) -> None:
         self._wait: Callable[[int, int, int], None] = backend.lib.wait_layer_signal
         self._stream_handle = backend.stream_handle
         self._buffer = buffer  # keeps the flags alive while a wait may be enqueued
+        self._done = done
         self.epoch = epoch
 
     def wait_layer(self, layer: int, stream: Any) -> None:
         self._wait(self._buffer.flags + 4 * layer, self.epoch, self._stream_handle(stream))
 
     def check(self) -> None:
-        return None
+        self._done.check()
+
+
+class ReportRing:
+    """Pinned host memory for the kernels' reports of out-of-range device-resident indices
+    (``struct kvio_report``, docs/native-abi.md): one slot per transfer, reused round-robin,
+    and a 64-bit epoch per transfer that the kernels store with the bad value. A slot holds
+    a failure of its own transfer only while its epoch matches, so a stale report of an
+    earlier user of the slot can never fail a later transfer."""
+
+    SLOTS = 4096
+
+    def __init__(self, device: torch.device) -> None:
+        # pinned where the device has streams (its kernels store into it); on the CPU (an
+        # emulated library) plain memory is what the library writes
+        self.memory = torch.zeros(self.SLOTS * REPORT_BYTES, dtype=torch.uint8,
+                                  pin_memory=has_streams(device))
+        self.words = self.memory.numpy().view("<i8").reshape(self.SLOTS, REPORT_BYTES // 8)
+        self.base = self.memory.data_ptr()
+        self._epochs = itertools.count(1)  # next() is atomic under the GIL
+
+    def completion(self, job: TransferJob) -> BoundsCompletion:
+        epoch = next(self._epochs)
+        slot = epoch % self.SLOTS
+        bounds = KvioBounds(host_tokens=job.host_geometry.size,
+                            device_tokens=job.device_pool.size,
+                            report=self.base + slot * REPORT_BYTES, epoch=epoch)
+        return BoundsCompletion(self.words[slot], bounds, job.op)
+
+
+class BoundsCompletion:
+    """The completion of one native transfer: after its stream work finished, ``check()``
+    raises InvalidIndices naming the index the kernels refused (and did not dereference)."""
+
+    __slots__ = ("_op", "_words", "bounds")
+
+    def __init__(self, words: Any, bounds: KvioBounds, op: Op) -> None:
+        self._words = words
+        self.bounds = bounds
+        self._op = op
+
+    def check(self) -> None:
+        w, b = self._words, self.bounds
+        for name, epoch_at, value_at, size in (
+                ("host_indices", REPORT_HOST_EPOCH, REPORT_HOST_VALUE, b.host_tokens),
+                ("device_indices", REPORT_DEVICE_EPOCH, REPORT_DEVICE_VALUE, b.device_tokens)):
+            if int(w[epoch_at // 8]) == b.epoch:
+                raise InvalidIndices(name, f"values in [0, {size})",
+                                     f"{int(w[value_at // 8])} (refused by the kernel, which "
+                                     "moved no byte for it)", f"{self._op.value} at completion")
 
 
 #: pages (per K/V, over all layers) at least this large go through the staged write-back

@@ -33,10 +33,12 @@ class LayerSignals(Protocol):
 class EventLayerSignals:
     """LayerSignals from one stream event per layer, recorded after each layer's work: what a
     backend returns when it issued the layers one by one after all. A None event (a device
-    without streams, where the layer has already run) needs no wait."""
+    without streams, where the layer has already run) needs no wait. ``completions`` are
+    the layers' own completions, which ``check`` checks."""
 
-    def __init__(self, events: Sequence[Any]) -> None:
+    def __init__(self, events: Sequence[Any], completions: Sequence[Any] = ()) -> None:
         self._events = list(events)
+        self._completions = list(completions)
 
     def wait_layer(self, layer: int, stream: Any) -> None:
         event = self._events[layer]
@@ -44,4 +46,5 @@ class EventLayerSignals:
             stream.wait_event(event)
 
     def check(self) -> None:
-        return None
+        for c in self._completions:
+            c.check()

@@ -3,8 +3,9 @@
 # CUDA torch is kept), build the kernels, run the GPU tests and the benchmarks, and write
 # every result into one folder ($OUT, default ./gpu-results), packed as results.tar.gz.
 #
-#   scripts/gpu_run.sh [STAGE ...]     stages: setup tests replay multi bench seed check
-#                                      check_triton probe (default: all but probe, in order)
+#   scripts/gpu_run.sh [STAGE ...]     stages: setup tests controller replay multi bench seed
+#                                      check check_triton probe (default: all but probe, in
+#                                      order)
 #
 # DEADLINE_S bounds the whole run (each step's limit shrinks to fit), so the results are
 # always packed. The seed table may take longer than one run: SEED_ARGS narrows it and
@@ -28,7 +29,7 @@ mkdir -p "$R"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 PY=${PYTHON:-python3}
 KVIO=("$PY" -m kvcore.cli)
-STAGES=("$@"); [ ${#STAGES[@]} -gt 0 ] || STAGES=(setup tests replay multi bench seed check check_triton)
+STAGES=("$@"); [ ${#STAGES[@]} -gt 0 ] || STAGES=(setup tests controller replay multi bench seed check check_triton)
 status=0
 step() {  # step NAME SECONDS CMD...: run with a time limit, log to $R/NAME.log
     local name=$1 limit=$2; shift 2
@@ -52,7 +53,10 @@ setup)
     step build 120 "${KVIO[@]}" build
     ;;
 tests)
-    step gpu_tests 60 $PY -m pytest -q -rs tests/gpu
+    step gpu_tests ${TESTS_S:-300} $PY -m pytest -q -rs tests/gpu
+    ;;
+controller)  # the path an engine calls: queues of controller calls (the README's headline)
+    step bench_controller ${CONTROLLER_S:-400} "${KVIO[@]}" bench --through controller --backend cuda --layout ${CONTROLLER_LAYOUTS:-page_first} --markdown "$R/bench_controller.md" --json "$R/bench_controller.json"
     ;;
 bench)
     step bench_single_page 60 "${KVIO[@]}" bench --preset single-page --backend cuda --backend reference --markdown "$R/bench_single_page.md" --json "$R/bench_single_page.json"

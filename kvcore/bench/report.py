@@ -6,7 +6,8 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from kvcore.bench.runner import OK, BenchResult, Row
+from kvcore.bench.row import OK, Row
+from kvcore.bench.runner import BenchResult
 from kvcore.bench.slowdown import (
     SLOWDOWN_TOLERANCE,
     SPREAD_TOLERANCE,
@@ -108,6 +109,22 @@ def host_lines(result: BenchResult) -> list[str]:
             "read low)"]
 
 
+CONTROLLER_TITLE = ("Through the controller (what an engine calls: back-to-back write() + "
+                    "poll_acks(), or load() + wait_layer() of every layer)")
+KERNEL_TITLE = "Kernel path (one submit, indices placed in advance)"
+
+
+def controller_section(result: BenchResult, heading: str = "") -> list[str]:
+    """The queue rows as a markdown table under a title (nothing when there are none)."""
+    if not result.controller_rows:
+        return []
+    from kvcore.bench.queue import markdown_rows
+
+    return ["", f"{heading}{CONTROLLER_TITLE}", "", *markdown_rows(result.controller_rows),
+            "", "ratio = one contiguous copy of a call's bytes / wall time per call over the "
+            "whole queue; CPU us/call = median time inside write() or load()"]
+
+
 def text_table(result: BenchResult, latency: bool = False) -> str:
     """The header, an aligned table and the reasons of untimed rows."""
     header, cells = table_rows(result.rows, latency)
@@ -119,8 +136,12 @@ def text_table(result: BenchResult, latency: bool = False) -> str:
         return "  ".join(c.rjust(w) if i in numeric else c.ljust(w)
                          for i, (c, w) in enumerate(zip(cols, widths, strict=True))).rstrip()
 
-    lines = [*header_lines(result), "", fmt(header), fmt(["-" * w for w in widths])]
-    lines += [fmt(c) for c in cells]
+    lines = [*header_lines(result), *controller_section(result)]
+    if cells:
+        if result.controller_rows:
+            lines += ["", KERNEL_TITLE]
+        lines += ["", fmt(header), fmt(["-" * w for w in widths])]
+        lines += [fmt(c) for c in cells]
     fails = failures(result.rows)
     if fails:
         lines += ["", "not timed:", *(f"  {f}" for f in fails)]
@@ -134,9 +155,13 @@ def markdown(result: BenchResult, command: str, latency: bool = False) -> str:
     header, cells = table_rows(result.rows, latency)
     out = ["# kvio bench", "", "```", command, "```", ""]
     out += [f"- {line}" for line in header_lines(result)]
-    out += ["", "| " + " | ".join(header) + " |",
-            "|" + "|".join("---" if i < 5 else "---:" for i in range(len(header))) + "|"]
-    out += ["| " + " | ".join(c) + " |" for c in cells]
+    out += controller_section(result, "## ")
+    if cells:
+        if result.controller_rows:
+            out += ["", f"## {KERNEL_TITLE}"]
+        out += ["", "| " + " | ".join(header) + " |",
+                "|" + "|".join("---" if i < 5 else "---:" for i in range(len(header))) + "|"]
+        out += ["| " + " | ".join(c) + " |" for c in cells]
     fails = failures(result.rows)
     if fails:
         out += ["", "Not timed:", "", *(f"- {f}" for f in fails)]

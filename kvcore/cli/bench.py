@@ -13,11 +13,13 @@ from typing import Any
 
 import torch
 
-from kvcore.bench import report
+from kvcore.bench import queue, report
 from kvcore.bench.runner import Bench, BenchResult
 from kvcore.bench.sweep import PRESETS, Case, expand, override
 from kvcore.cli.backends import default_device
+from kvcore.layout import Kind, Layout, parse_enum
 from kvcore.registry import default_registry
+from kvcore.streams import has_streams
 
 #: option -> Sweep field it overrides
 AXES = {"op": "ops", "kind": "kinds", "layout": "layouts", "dtype": "dtypes",
@@ -62,6 +64,14 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--markdown", metavar="FILE", help="write the table as markdown")
     p.add_argument("--plot", metavar="FILE.png", help="plot GiB/s and ratio (needs matplotlib)")
     p.add_argument("--quiet", action="store_true", help="no progress bar and no table")
+    p.add_argument("--through", choices=("both", "controller", "kernel"), default="both",
+                   help="controller: queues of HiCacheController calls, the path an engine "
+                        "calls (write + acks, load + wait_layer of every layer; host layout "
+                        "from --layout, default page_first); kernel: one submit per row with "
+                        "indices placed in advance, the preset's table; both (default)")
+    p.add_argument("--queue-pages", default=None, metavar="N[,N...]",
+                   help="pages per controller call (default 1,4,16,64 on an accelerator, "
+                        "1,4 on the CPU)")
     p.add_argument("--merge", nargs="+", metavar="FILE.json", default=None,
                    help="measure nothing: join the rows of earlier --json files (runs of one "
                         "sweep on one machine) and write the reports from them")
@@ -94,7 +104,7 @@ def command_line(args: argparse.Namespace) -> str:
 def run(args: argparse.Namespace) -> int:
     if args.merge:
         return _merge(args)
-    cases = _cases(args)
+    cases = _cases(args) if args.through != "controller" else []
     device = torch.device(args.device) if args.device else default_device()
     bench = Bench(registry=default_registry(), device=device, cases=cases,
                   backends=_split(args.backend), warmup=args.warmup, repeat=args.repeat,
@@ -104,13 +114,32 @@ def run(args: argparse.Namespace) -> int:
     total = len(cases) * len(bench.backend_names())
     quiet = args.quiet or args.json == "-"
     mode = "off" if quiet else "bar" if sys.stdout.isatty() else "lines"
+    queues = _queue_cases(args, device) if args.through != "kernel" else []
+    total += len(queues) * len(bench.backend_names())
     with progress(total, mode) as advance, _sigterm_interrupts():
         result = bench.run(advance)
+        if queues and not result.not_run:
+            result.controller_rows = queue.run_all(
+                bench.registry, device, bench.backend_names(), queues, args.warmup,
+                max(3, args.repeat // 2), args.seed, advance)
     if result.not_run:
         print(f"kvio bench: stopped early, {result.not_run} of {len(cases)} cases not run",
               file=sys.stderr)
     _report(args, result, command_line(args))
     return _exit_code(result)
+
+
+def _queue_cases(args: argparse.Namespace, device: torch.device) -> list[queue.QueueCase]:
+    on_gpu = has_streams(device)
+    pages = (tuple(int(p) for p in _split([args.queue_pages]) or ()) if args.queue_pages
+             else (1, 4, 16, 64) if on_gpu else (1, 4))
+    kinds = tuple(parse_enum(Kind, k, "kind") for k in _split(args.kind) or ("mha", "mla"))
+    layouts = tuple(parse_enum(Layout, v, "layout")
+                    for v in _split(args.layout) or ("page_first",))
+    budget = (1 << 30) if on_gpu else (8 << 20)
+    layers = _split(args.num_layers)
+    return queue.queue_cases(pages, kinds, layouts, budget,  # type: ignore[arg-type]
+                             num_layers=int(layers[0]) if layers else 32 if on_gpu else 8)
 
 
 def _cases(args: argparse.Namespace) -> list[Case]:

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from kvcore.bench import report
-from kvcore.bench.runner import FAILED, OK, UNSUPPORTED, Bench
+from kvcore.bench.row import FAILED, OK, UNSUPPORTED
+from kvcore.bench.runner import Bench
 from kvcore.cli import main
 from kvcore.errors import InvalidArgument
 from kvcore.layout import Kind, Layout, Op
@@ -19,7 +20,7 @@ from kvcore.registry import REFERENCE, default_registry
 from .helpers import case, register
 
 CPU = torch.device("cpu")
-SMALL = ["--page-size", "4", "--batch-pages", "2", "--total-pages", "4", "--num-layers", "2",
+SMALL = ["--through", "kernel", "--page-size", "4", "--batch-pages", "2", "--total-pages", "4", "--num-layers", "2",
          "--element-dim", "128", "--warmup", "1", "--repeat", "2"]
 
 
@@ -153,16 +154,16 @@ def test_reference_rows_can_be_timed_with_fewer_repetitions() -> None:
 
 def test_the_reference_row_is_its_oracle_run_timed_after_the_other_backends(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvcore.pools import HostPool
+    from kvcore.bench import runner
 
     allocated: list[str] = []
-    real_allocate = HostPool.allocate.__func__  # type: ignore[attr-defined]
+    real_allocate = runner.allocate_host_pool
 
-    def counting(cls: type, *args: object, **kwargs: object) -> object:
+    def counting(*args: object, **kwargs: object) -> object:
         allocated.append(str(kwargs.get("backend")))
-        return real_allocate(cls, *args, **kwargs)
+        return real_allocate(*args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(HostPool, "allocate", classmethod(counting))
+    monkeypatch.setattr(runner, "allocate_host_pool", counting)
     with default_registry().isolated() as reg:
         instances = register(reg, "other", "none", ops=(Op.WRITE_BACK,))
         reference = reg.instance(REFERENCE, CPU)
@@ -198,3 +199,24 @@ def test_with_reference_repeat_the_oracle_call_is_the_first_timed_call(
     assert len(ref.timing.samples_ms) == repeat
     other = instances["cpu"].runs
     assert len(runs) == other + repeat  # no call of its own besides the timed ones
+
+
+def test_controller_rows_time_queues_of_controller_calls(tmp_path: Path) -> None:
+    """--through controller: writes + acks and loads + wait_layer, through the controller."""
+    out = tmp_path / "queue.json"
+    md = tmp_path / "queue.md"
+    assert main(["bench", "--through", "controller", "--queue-pages", "1,2", "--kind", "mla",
+                 "--num-layers", "2", "--quiet", "--json", str(out), "--markdown",
+                 str(md)]) == 0
+    doc = json.loads(out.read_text())
+    jsonschema.validate(doc, report.schema())
+    assert doc["rows"] == []
+    rows = doc["controller_rows"]
+    assert sorted((r["op"], r["pages"]) for r in rows) == [
+        ("load", 1), ("load", 2), ("write", 1), ("write", 2)]
+    for r in rows:
+        assert r["error"] is None and r["backend"] == "reference"
+        assert r["ratio"] > 0 and r["cpu_us"] > 0 and r["calls"] >= 4
+        assert r["bytes_per_call"] == r["pages"] * 64 * 2 * 576 * 2  # 64-token pages, 2 layers
+        assert (r["wait_us"] is None) == (r["op"] == "write")
+    assert "Through the controller" in md.read_text()

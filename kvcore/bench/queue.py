@@ -1,0 +1,251 @@
+"""Rows through the controller: the path an engine calls, as a queue of back-to-back calls.
+
+A kernel-path row times one submit with indices placed in advance; an engine instead calls
+:class:`~kvcore.controller.HiCacheController` from its scheduler thread, many times, with
+device indices on the device and host indices on the CPU, and never waits. A queue row does
+exactly that: ``calls`` write-backs followed by polling their acks, or ``calls`` per-layer
+loads each followed by ``wait_layer`` of every layer on the caller's stream, and reports
+
+- ``ratio``: the end-to-end rate (bytes of all calls over the wall time from the first call
+  to the last completion) over one contiguous copy of one call's bytes between the same
+  memories, measured in the same run (the bench's ceiling);
+- ``cpu_us``: the median CPU time of one ``write()`` or ``load()`` call, and ``wait_us``
+  that of the ``wait_layer`` calls after one load (all layers together).
+
+Each queue runs ``repeats`` times after one untimed warm-up queue; the fastest is kept, and
+``spread%`` says how far the slowest was from it.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+import torch
+
+from kvcore.bench.ceiling import Ceiling
+from kvcore.bench.sweep import MHA_HEAD_DIM
+from kvcore.bench.timing import gib_per_s
+from kvcore.controller import HiCacheController
+from kvcore.layout import Kind, Layout
+from kvcore.plan import dtype_name
+from kvcore.pools import DevicePool
+from kvcore.registry import Registry, allocate_host_pool
+from kvcore.streams import has_streams
+
+MIB = 2**20
+
+#: element dims of the queue rows: 8 heads of 128 (MHA), DeepSeek's latent 512 + 64 (MLA)
+ELEMENT_DIM = {Kind.MHA: 8 * MHA_HEAD_DIM, Kind.MLA: 576}
+
+
+@attrs.frozen
+class QueueCase:
+    """One queue: ``calls`` controller calls of ``pages`` pages each."""
+
+    op: str  # "write" (write + acks) or "load" (per-layer load + wait_layer of every layer)
+    kind: Kind
+    layout: Layout
+    pages: int
+    calls: int
+    page_size: int = 64
+    num_layers: int = 32
+    dtype: torch.dtype = torch.bfloat16
+
+    @property
+    def element_dim(self) -> int:
+        return ELEMENT_DIM[self.kind]
+
+    @property
+    def head_num(self) -> int:
+        return self.element_dim // MHA_HEAD_DIM if self.kind is Kind.MHA else 1
+
+    @property
+    def bytes_per_call(self) -> int:
+        kv = 2 if self.kind is Kind.MHA else 1
+        return (kv * self.num_layers * self.pages * self.page_size * self.element_dim
+                * self.dtype.itemsize)
+
+    @property
+    def direction(self) -> str:
+        return "d2h" if self.op == "write" else "h2d"
+
+    def facts(self) -> dict[str, Any]:
+        return {"op": self.op, "kind": self.kind.value, "layout": self.layout.value,
+                "pages": self.pages, "calls": self.calls, "page_size": self.page_size,
+                "num_layers": self.num_layers, "element_dim": self.element_dim,
+                "dtype": dtype_name(self.dtype), "bytes_per_call": self.bytes_per_call}
+
+
+@attrs.frozen
+class QueueRow:
+    """The outcome of one queue case on one backend (``error`` set when it failed)."""
+
+    case: QueueCase
+    backend: str
+    ms_per_call: float | None = None
+    ceiling_ms: float | None = None
+    cpu_us: float | None = None
+    wait_us: float | None = None
+    spread_pct: float | None = None
+    error: str | None = None
+
+    @property
+    def ratio(self) -> float | None:
+        if self.ms_per_call is None or self.ceiling_ms is None or self.ms_per_call <= 0:
+            return None
+        return self.ceiling_ms / self.ms_per_call
+
+    @property
+    def gib_s(self) -> float | None:
+        if self.ms_per_call is None:
+            return None
+        return gib_per_s(self.case.bytes_per_call, self.ms_per_call)
+
+    def facts(self) -> dict[str, Any]:
+        return {"backend": self.backend, **self.case.facts(), "ms_per_call": self.ms_per_call,
+                "ceiling_ms": self.ceiling_ms, "ratio": self.ratio, "gib_s": self.gib_s,
+                "cpu_us": self.cpu_us, "wait_us": self.wait_us,
+                "spread_pct": self.spread_pct, "error": self.error}
+
+
+def queue_cases(pages: tuple[int, ...], kinds: tuple[Kind, ...], layouts: tuple[Layout, ...],
+                budget_bytes: int, max_calls: int = 128,
+                num_layers: int = 32) -> list[QueueCase]:
+    """Writes and loads of each page count: as many calls as move ``budget_bytes`` (at least
+    4, at most ``max_calls``)."""
+    out = []
+    for kind in kinds:
+        for layout in layouts:
+            for op in ("write", "load"):
+                for n in pages:
+                    one = QueueCase(op, kind, layout, n, 1, num_layers=num_layers)
+                    calls = max(4, min(max_calls, budget_bytes // one.bytes_per_call))
+                    out.append(attrs.evolve(one, calls=calls))
+    return out
+
+
+def run_queue(case: QueueCase, backend: str, registry: Registry, device: torch.device,
+              ceiling: Ceiling, repeats: int, gen: torch.Generator) -> QueueRow:
+    """Measure one queue (see the module docstring); a failure becomes the row's error."""
+    try:
+        return _run(case, backend, registry, device, ceiling, repeats, gen)
+    except Exception as exc:  # noqa: BLE001 (a row that fails says why; the sweep goes on)
+        return QueueRow(case, backend, error=f"{type(exc).__name__}: {exc}".splitlines()[0])
+
+
+def _run(case: QueueCase, backend: str, registry: Registry, device: torch.device,
+         ceiling: Ceiling, repeats: int, gen: torch.Generator) -> QueueRow:
+    P, kind = case.page_size, case.kind
+    head_num = case.head_num
+    head_dim = case.element_dim // head_num
+    device_pages = 2 * case.pages
+    dev = DevicePool.allocate(kind, case.num_layers, device_pages * P, head_num, head_dim,
+                              case.dtype, device, P)
+    for t in dev.all_buffers():
+        t.view(torch.int16).copy_(torch.randint(-2**15, 2**15, t.shape, dtype=torch.int16,
+                                                generator=gen).view(t.shape))
+    host = allocate_host_pool(kind, case.layout, case.num_layers, case.calls * case.pages * P,
+                             head_num, head_dim, case.dtype, P, device, backend=backend,
+                             registry=registry)
+    ctl = HiCacheController(dev, host, backend=backend, registry=registry)
+    ramp = torch.arange(P)
+    dev_sets = [((torch.randperm(device_pages, generator=gen)[:case.pages, None] * P
+                  + ramp).flatten()).to(device) for _ in range(4)]
+    sync = _synchronizer(device)
+
+    def one_queue() -> tuple[float, list[float], list[float]]:
+        cpu: list[float] = []
+        waits: list[float] = []
+        if case.op == "write":
+            sync()
+            t0 = time.perf_counter()
+            for i in range(case.calls):
+                c0 = time.perf_counter()
+                ctl.write(dev_sets[i % len(dev_sets)])
+                cpu.append(time.perf_counter() - c0)
+            acks = []
+            while len(acks) < case.calls:
+                acks += ctl.poll_acks()
+            elapsed = time.perf_counter() - t0
+            for ack in acks:
+                ctl.free_host(ack.host_indices)
+            return elapsed, cpu, waits
+        hosts = [ctl.write(dev_sets[i % len(dev_sets)]).host_indices for i in range(case.calls)]
+        ctl.wait_acks()
+        sync()
+        t0 = time.perf_counter()
+        for i in range(case.calls):
+            c0 = time.perf_counter()
+            handle = ctl.load(hosts[i], dev_sets[(i + 1) % len(dev_sets)])
+            c1 = time.perf_counter()
+            for layer in range(case.num_layers):
+                handle.wait_layer(layer)
+            waits.append(time.perf_counter() - c1)
+            cpu.append(c1 - c0)
+        sync()
+        elapsed = time.perf_counter() - t0
+        handle.check()
+        for h in hosts:
+            ctl.free_host(h)
+        return elapsed, cpu, waits
+
+    one_queue()  # warm-up: first-use allocations, lazy library loads
+    runs = [one_queue() for _ in range(repeats)]
+    best = min(runs, key=lambda r: r[0])
+    slowest = max(r[0] for r in runs)
+    ceil = ceiling.measure(case.direction, case.bytes_per_call)
+    return QueueRow(
+        case, backend, ms_per_call=1e3 * best[0] / case.calls, ceiling_ms=ceil.median_ms,
+        cpu_us=1e6 * statistics.median(c for r in runs for c in r[1]),
+        wait_us=1e6 * statistics.median(w for r in runs for w in r[2]) if best[2] else None,
+        spread_pct=100.0 * (slowest - best[0]) / best[0] if best[0] > 0 else 0.0)
+
+
+def _synchronizer(device: torch.device) -> Callable[[], None]:
+    if not has_streams(device):
+        return lambda: None
+    module = torch.get_device_module(device)
+    return lambda: module.synchronize(device)
+
+
+def markdown_rows(rows: list[QueueRow]) -> list[str]:
+    """A markdown table of queue rows."""
+    lines = ["| backend | op | kind | layout | pages | MiB/call | calls | ms/call | GiB/s | "
+             "ceil GiB/s | ratio | CPU us/call | wait_layer us | spread% |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        c = r.case
+        head = (f"| {r.backend} | {c.op} | {c.kind.value} | {c.layout.value} | {c.pages} | "
+                f"{c.bytes_per_call / MIB:.0f} | {c.calls} | ")
+        if r.error is not None:
+            lines.append(head + f"failed: {r.error} |||||||")
+            continue
+        ceil_gib = gib_per_s(c.bytes_per_call, r.ceiling_ms or 0.0)
+        wait = f"{r.wait_us:.0f}" if r.wait_us is not None else "-"
+        lines.append(head + f"{r.ms_per_call:.3f} | {r.gib_s:.1f} | {ceil_gib:.1f} | "
+                     f"{r.ratio:.3f} | {r.cpu_us:.0f} | {wait} | {r.spread_pct:.1f} |")
+    return lines
+
+
+def run_all(registry: Registry, device: torch.device, backends: list[str],
+            cases: list[QueueCase], warmup: int, repeats: int, seed: int,
+            advance: Callable[[str], None] | None = None) -> list[QueueRow]:
+    """Every case on every backend, with one ceiling cache for the run."""
+    from kvcore.bench.timing import Clock
+    from kvcore.registry import REFERENCE
+
+    clock = Clock(device, warmup, repeats)
+    ceiling = Ceiling(clock, registry.instance(REFERENCE, device).allocate_host)  # type: ignore[attr-defined]
+    gen = torch.Generator().manual_seed(seed)
+    rows = []
+    for case in cases:
+        for backend in backends:
+            rows.append(run_queue(case, backend, registry, device, ceiling, repeats, gen))
+            if advance is not None:
+                advance(f"controller {backend} {case.op} {case.kind.value} "
+                        f"{case.layout.value} {case.pages}p")
+    return rows
