@@ -279,7 +279,13 @@ class NativeLibrary:
     codes in error messages (``"cuda error 700"``), ``name`` names the library in load errors.
     ``lib=`` substitutes an already loaded or fake library object (tests): every function must
     be there; ctypes function pointers get the prototypes, Python stand-ins are called with the
-    same checked plain values (ints, None for NULL, the KvioLayout).
+    same checked plain values (ints, None for NULL, the KvioLayout, and last the KvioBounds,
+    which ctypes passes to a real library by pointer).
+
+    ABI version 2: every transfer method takes a final ``bounds`` (:class:`KvioBounds`): the
+    kernels skip a vector whose device-resident index is out of range and record it in the
+    report; the host code refuses an out-of-range CPU-resident index (KernelError, invalid
+    value) before enqueueing. ``bounds=None``: :func:`unchecked_bounds`.
     """
 
     def __init__(self, path: Path | str | None = None, *, runtime: str, name: str,
@@ -422,8 +428,10 @@ class NativeLibrary:
         (device, ``staging_bytes``) as the host page image and copied to the host page by page
         (batched when ``use_batched`` and the runtime has it).
 
-        ``host_idx_cpu`` points to int64 indices in CPU memory, ``dev_idx`` to device
-        indices. The staging buffer is in use until ``stream`` passes this call. Raises
+        ``host_idx_cpu`` points to int64 indices in CPU memory (checked against
+        ``bounds.host_tokens`` by the library before it enqueues anything), ``dev_idx`` to
+        device indices (checked by the gather kernel). The staging buffer is in use until
+        ``stream`` passes this call. Raises
         InvalidArgument before any call for an argument out of range, KernelError when the
         library returns a nonzero status.
         """
@@ -478,8 +486,9 @@ class NativeLibrary:
         """``kvio_load_layer_dma`` (optional): layer ``layer`` of ``n_tokens`` token pairs from
         the host buffer into the layer's device tensors ``k_dst``/``v_dst``, by the copy engine.
 
-        Both index arrays are int64 in CPU memory; runs of consecutive slots become one copy
-        each, submitted in one batch when ``use_batched`` and the runtime has it. Raises
+        Both index arrays are int64 in CPU memory, checked against ``bounds`` by the library
+        before it enqueues anything; runs of consecutive slots become one copy each,
+        submitted in one batch when ``use_batched`` and the runtime has it. Raises
         BuildError when the library lacks the function, InvalidArgument before any call for an
         argument out of range, KernelError when the library returns a nonzero status.
         """
@@ -509,7 +518,8 @@ class NativeLibrary:
         """``kvio_load_layers_signaled`` (optional): a per-layer load of all ``num_layers``
         layers in one launch, layer after layer; ``flags[l]`` (device uint32) becomes
         ``epoch`` once layer l has landed. ``counters`` (device uint32 x num_layers) must be
-        zero and are left zero. Indices as for :meth:`transfer_direct`. Raises BuildError when
+        zero and are left zero. Indices and ``bounds`` as for :meth:`transfer_direct` (a
+        skipped vector's tile still counts: every flag is set). Raises BuildError when
         the library lacks the function, InvalidArgument before any call for an argument out
         of range, KernelError when the library returns a nonzero status.
         """

@@ -3,21 +3,30 @@ every function of the ABI must be present before anything is called."""
 
 from __future__ import annotations
 
+import ctypes
 import types
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from kvcore import native_abi
 from kvcore.errors import BuildError, InvalidArgument, KernelError
-from kvcore.native_abi import PROTOTYPES, NativeLibrary
+from kvcore.native_abi import (
+    PROTOTYPES,
+    KvioBounds,
+    KvioReport,
+    NativeLibrary,
+    make_bounds,
+    unchecked_bounds,
+)
 
 
 def stand_in(status: int = 0, **drop: bool) -> types.SimpleNamespace:
     """A Python object with the ABI's functions; ``drop`` leaves some out."""
     calls: list[tuple[Any, ...]] = []
     impl = {
-        "kvio_abi_version": lambda: 1,
+        "kvio_abi_version": lambda: 2,
         "kvio_error_string": lambda code: b"out of memory" if code.value == 2 else None,
         "kvio_has_batched_memcpy": lambda: 0,
         "kvio_transfer_direct": lambda *args: calls.append(args) or status,
@@ -62,4 +71,26 @@ def test_bad_arguments_never_reach_the_library() -> None:
     assert fake.calls == []
     lib.transfer_direct(0, 1, None, 0, 2, 3, LAYOUT, 4, 1, 5, 1, 8, None)
     (args,) = fake.calls
-    assert args[2] is None and args[-1] is None
+    assert args[2] is None and args[-2] is None
+    assert args[-1] is unchecked_bounds()  # no bounds given: every index >= 0 is in range
+    with pytest.raises(InvalidArgument, match=r"bounds\.report"):
+        lib.transfer_direct(0, 1, None, 0, 2, 3, LAYOUT, 4, 1, 5, 1, 8, None,
+                            bounds=KvioBounds(host_tokens=1, device_tokens=1, report=0))
+    assert len(fake.calls) == 1
+
+
+def test_the_bounds_and_report_structs_match_the_c_abi() -> None:
+    # struct kvio_bounds { int64 host_tokens, device_tokens; kvio_report* report;
+    #                      uint64 epoch; } and struct kvio_report (docs/native-abi.md)
+    assert ctypes.sizeof(KvioBounds) == 32
+    assert [(n, getattr(KvioBounds, n).offset) for n, _ in KvioBounds._fields_] == [
+        ("host_tokens", 0), ("device_tokens", 8), ("report", 16), ("epoch", 24)]
+    assert native_abi.REPORT_BYTES == ctypes.sizeof(KvioReport) == 32
+    assert (native_abi.REPORT_HOST_EPOCH, native_abi.REPORT_HOST_VALUE,
+            native_abi.REPORT_DEVICE_EPOCH, native_abi.REPORT_DEVICE_VALUE) == (0, 8, 16, 24)
+    b = unchecked_bounds()
+    assert b.host_tokens == b.device_tokens == (1 << 63) - 1 and b.report != 0
+    made = make_bounds(5, 6, 0x1000, (1 << 64) - 1)
+    assert (made.host_tokens, made.device_tokens, made.report, made.epoch) == (
+        5, 6, 0x1000, (1 << 64) - 1)
+    assert "report=0x1000" in repr(made)

@@ -13,27 +13,36 @@ from kvcore.pools import DevicePool, HostPool
 
 
 class RecordingLibrary:
+    """NativeLibrary's transfer methods, recording their positional arguments; the ABI v2
+    ``bounds`` keyword (None: unchecked) goes to ``self.bounds``, one entry per call."""
+
     def __init__(self, signals: bool = True) -> None:
         self.calls: list[tuple[str, tuple[Any, ...]]] = []
+        self.bounds: list[Any] = []
         self.signals = signals
 
-    def transfer_direct(self, *args: Any, chained: bool = False) -> None:
+    def transfer_direct(self, *args: Any, chained: bool = False, bounds: Any = None) -> None:
         self.calls.append(("direct chained" if chained else "direct", args))
+        self.bounds.append(bounds)
 
-    def write_back_staged(self, *args: Any) -> None:
+    def write_back_staged(self, *args: Any, bounds: Any = None) -> None:
         self.calls.append(("staged", args))
+        self.bounds.append(bounds)
 
-    def load_all_staged(self, *args: Any) -> None:
+    def load_all_staged(self, *args: Any, bounds: Any = None) -> None:
         self.calls.append(("staged load", args))
+        self.bounds.append(bounds)
 
-    def load_layer_dma(self, *args: Any) -> None:
+    def load_layer_dma(self, *args: Any, bounds: Any = None) -> None:
         self.calls.append(("dma", args))
+        self.bounds.append(bounds)
 
     def has_layer_signals(self) -> bool:
         return self.signals
 
-    def load_layers_signaled(self, *args: Any) -> None:
+    def load_layers_signaled(self, *args: Any, bounds: Any = None) -> None:
         self.calls.append(("signaled", args))
+        self.bounds.append(bounds)
 
     def wait_layer_signal(self, *args: Any) -> None:
         self.calls.append(("wait", args))

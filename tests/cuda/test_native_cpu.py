@@ -18,7 +18,14 @@ from kvio_cuda import _native, build
 
 from kvcore import buildcache
 from kvcore.errors import BuildError, InvalidArgument, KernelError
-from kvcore.native_abi import OPTIONAL_PROTOTYPES, PROTOTYPES
+from kvcore.native_abi import (
+    OPTIONAL_PROTOTYPES,
+    PROTOTYPES,
+    KvioBounds,
+    KvioReport,
+    make_bounds,
+    unchecked_bounds,
+)
 
 # ------------------------------------------------------------------------------- build.py
 
@@ -404,7 +411,7 @@ def _recording(function: str) -> Any:
 class FakeLib:
     """Stands in for the ctypes library: records calls, returns a chosen status."""
 
-    def __init__(self, status: int = 0, abi: int = 1, batched: int = 1) -> None:
+    def __init__(self, status: int = 0, abi: int = 2, batched: int = 1) -> None:
         self.status = status
         self.abi = abi
         self.batched = batched
@@ -439,9 +446,18 @@ class FakeDmaLib(FakeLib):
 
 
 def _values(args: tuple[Any, ...]) -> list[Any]:
-    """The arguments a stand-in received: checked plain ints, None for NULL, the layout."""
-    assert all(a is None or type(a) is int or isinstance(a, _native.KvioLayout) for a in args)
+    """The arguments a stand-in received: checked plain ints, None for NULL, the layout, and
+    last the bounds (a KvioBounds, which ctypes passes by pointer to a real library)."""
+    assert all(a is None or type(a) is int or isinstance(a, _native.KvioLayout)
+               for a in args[:-1])
+    assert isinstance(args[-1], KvioBounds)
     return list(args)
+
+
+BOUNDS_P = ctypes.POINTER(KvioBounds)
+#: bounds for calls that pass them explicitly (the report is never written: no kernel runs)
+REPORT = KvioReport()
+BOUNDS = make_bounds(1 << 20, 1 << 20, ctypes.addressof(REPORT), 7)
 
 
 def _argtypes(function: str) -> list[Any]:
@@ -450,15 +466,15 @@ def _argtypes(function: str) -> list[Any]:
 
 def test_native_queries() -> None:
     lib = _native.NativeLibrary("fake.so", lib=FakeLib(batched=1))
-    assert lib.abi_version() == 1
+    assert lib.abi_version() == 2
     assert lib.has_batched_memcpy() is True
     assert _native.NativeLibrary(None, lib=FakeLib(batched=0)).has_batched_memcpy() is False
     assert lib.error_string(700) == "an illegal memory access was encountered"
 
 
 def test_native_abi_mismatch() -> None:
-    with pytest.raises(BuildError, match="ABI version 2"):
-        _native.NativeLibrary("fake.so", lib=FakeLib(abi=2))
+    with pytest.raises(BuildError, match="ABI version 1, this binding speaks version 2"):
+        _native.NativeLibrary("fake.so", lib=FakeLib(abi=1))
 
 
 def test_native_missing_library(tmp_path: Path) -> None:
@@ -478,9 +494,13 @@ def test_transfer_direct_marshalling() -> None:
     assert _argtypes(name) == [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32,
                                ctypes.c_int32, ctypes.c_void_p, _native.KvioLayout,
                                ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
-                               ctypes.c_int64, ctypes.c_void_p]
+                               ctypes.c_int64, ctypes.c_void_p, BOUNDS_P]
     assert _values(args) == [1, 0x7F0000001000, None, 3, 2, 0x7F1000000000, layout,
-                             0x7F2000000000, 1, 0x7F3000000000, 0, 4096, 0x55AA]
+                             0x7F2000000000, 1, 0x7F3000000000, 0, 4096, 0x55AA,
+                             unchecked_bounds()]
+    # given bounds reach the library as they are (by reference for a real library)
+    lib.transfer_direct(1, 1, 0, 3, 2, 1, layout, 1, 1, 1, 0, 4096, 0, bounds=BOUNDS)
+    assert fake.calls[-1][1][-1] is BOUNDS
     # a mapping works as the layout too; None and 0 are NULL; the default stream is NULL
     lib.transfer_direct(0, 1 << 40, None, 0, 80, 1 << 41, LAYOUT, 1 << 42, 0, 1 << 43, 1, 64, 0)
     _, args = fake.calls[-1]
@@ -520,11 +540,12 @@ def test_write_back_staged_marshalling() -> None:
     assert _argtypes(name) == [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32,
                                ctypes.c_void_p, _native.KvioLayout, ctypes.c_void_p,
                                ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_void_p,
-                               ctypes.c_int64, ctypes.c_int, ctypes.c_void_p]
+                               ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, BOUNDS_P]
     values = _values(args)
     assert values[:4] == [0x1000, 0x2000, 61, 0x3000]
     assert values[4].as_dict() == LAYOUT
-    assert values[5:] == [0x4000, 0x5000, 0, 4096, 0x6000, 64 << 20, 1, 0x7000]
+    assert values[5:] == [0x4000, 0x5000, 0, 4096, 0x6000, 64 << 20, 1, 0x7000,
+                          unchecked_bounds()]
 
 
 def test_load_all_staged_marshalling_mirrors_the_staged_write_back() -> None:
@@ -533,15 +554,15 @@ def test_load_all_staged_marshalling_mirrors_the_staged_write_back() -> None:
     assert lib.has_load_all_staged()
     args = (0x1000, None, 61, 0x3000, LAYOUT, 0x4000, 0x5000, 1, 64 * 64, 0x6000, 64 << 20,
             False, 0x7000)
-    lib.load_all_staged(*args)
-    lib.write_back_staged(*args)
+    lib.load_all_staged(*args, BOUNDS)
+    lib.write_back_staged(*args, bounds=BOUNDS)
     (load, load_args), (wb, wb_args) = fake.calls
     assert (load, wb) == ("kvio_load_all_staged", "kvio_write_back_staged")
     assert _argtypes(load) == _argtypes(wb)
     values = _values(load_args)
     assert values[:4] == [0x1000, None, 61, 0x3000]
     assert values[4].as_dict() == LAYOUT
-    assert values[5:] == [0x4000, 0x5000, 1, 4096, 0x6000, 64 << 20, 0, 0x7000]
+    assert values[5:] == [0x4000, 0x5000, 1, 4096, 0x6000, 64 << 20, 0, 0x7000, BOUNDS]
     assert values[5:] == _values(wb_args)[5:]
     with pytest.raises(InvalidArgument, match="staging_bytes"):
         lib.load_all_staged(*args[:10], 1 << 63, *args[11:])
@@ -562,11 +583,12 @@ def test_load_layer_dma_marshalling() -> None:
     assert name == "kvio_load_layer_dma"
     assert _argtypes(name) == [
         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32, ctypes.c_void_p, _native.KvioLayout,
-        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p]
+        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p,
+        BOUNDS_P]
     values = _values(args)
     assert values[:4] == [0x1000, None, 7, 0x3000]
     assert values[4].as_dict() == LAYOUT
-    assert values[5:] == [0x4000, 0x5000, 4096, 1, 0x7000]
+    assert values[5:] == [0x4000, 0x5000, 4096, 1, 0x7000, unchecked_bounds()]
     with pytest.raises(InvalidArgument, match="layer"):
         lib.load_layer_dma(1, 2, 1 << 31, 3, LAYOUT, 4, 5, 64, 1, 0)
     with pytest.raises(KernelError, match=r"^kvio_load_layer_dma: an illegal memory"):
@@ -579,20 +601,21 @@ def test_signaled_load_and_its_wait_marshalling() -> None:
     lib = _native.NativeLibrary("fake.so", lib=fake)
     assert lib.has_layer_signals()
     lib.load_layers_signaled(0x1000, None, 61, 0x3000, LAYOUT, 0x4000, True, 0x5000, 0, 4096,
-                             0x6000, 0x6100, 0xFFFFFFFF, 0x7000)
+                             0x6000, 0x6100, 0xFFFFFFFF, 0x7000, bounds=BOUNDS)
     lib.wait_layer_signal(0x6104, 7, 0x8000)
     (load, load_args), (wait, wait_args) = fake.calls
     assert (load, wait) == ("kvio_load_layers_signaled", "kvio_wait_layer_signal")
     assert _argtypes(load) == [
         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32, ctypes.c_void_p, _native.KvioLayout,
         ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64,
-        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint32, ctypes.c_void_p]
+        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint32, ctypes.c_void_p, BOUNDS_P]
     assert _argtypes(wait) == [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_void_p]
     values = _values(load_args)
     assert values[:4] == [0x1000, None, 61, 0x3000]
     assert values[4].as_dict() == LAYOUT
-    assert values[5:] == [0x4000, 1, 0x5000, 0, 4096, 0x6000, 0x6100, 0xFFFFFFFF, 0x7000]
-    assert _values(wait_args) == [0x6104, 7, 0x8000]
+    assert values[5:] == [0x4000, 1, 0x5000, 0, 4096, 0x6000, 0x6100, 0xFFFFFFFF, 0x7000,
+                          BOUNDS]
+    assert list(wait_args) == [0x6104, 7, 0x8000]  # the wait reads no index: no bounds
     for bad in (-1, 1 << 32):  # the epoch is a uint32
         with pytest.raises(InvalidArgument, match="epoch"):
             lib.wait_layer_signal(0x6104, bad, 0)
@@ -677,7 +700,7 @@ def real_library(tmp_path_factory: pytest.TempPathFactory) -> _native.NativeLibr
 
 
 def test_real_library_abi_and_errors(real_library: _native.NativeLibrary) -> None:
-    assert real_library.abi_version() == 1
+    assert real_library.abi_version() == 2
     assert real_library.error_string(1) == "invalid argument"
     assert real_library.error_string(700) == "an illegal memory access was encountered"
     assert isinstance(real_library.has_batched_memcpy(), bool)
@@ -688,14 +711,14 @@ def test_real_library_refuses_bad_arguments_before_any_cuda_call(
     raw = real_library._lib
     layout = _native.KvioLayout.from_fields(LAYOUT)
     # direction 5, NULL k_ptrs, negative n_tokens, zero page_size: cudaErrorInvalidValue (1)
-    assert raw.kvio_transfer_direct(5, 1, 0, 0, 1, 1, layout, 1, 0, 1, 0, 64, None) == 1
-    assert raw.kvio_transfer_direct(0, None, 0, 0, 1, 1, layout, 1, 0, 1, 0, 64, None) == 1
-    assert raw.kvio_transfer_direct(0, 1, 0, 0, 1, 1, layout, 1, 0, 1, 0, -1, None) == 1
+    assert raw.kvio_transfer_direct(5, 1, 0, 0, 1, 1, layout, 1, 0, 1, 0, 64, None, BOUNDS) == 1
+    assert raw.kvio_transfer_direct(0, None, 0, 0, 1, 1, layout, 1, 0, 1, 0, 64, None, BOUNDS) == 1
+    assert raw.kvio_transfer_direct(0, 1, 0, 0, 1, 1, layout, 1, 0, 1, 0, -1, None, BOUNDS) == 1
     bad = _native.KvioLayout.from_fields(LAYOUT, page_size=0)
-    assert raw.kvio_transfer_direct(0, 1, 0, 0, 1, 1, bad, 1, 0, 1, 0, 64, None) == 1
+    assert raw.kvio_transfer_direct(0, 1, 0, 0, 1, 1, bad, 1, 0, 1, 0, 64, None, BOUNDS) == 1
     # nothing to do is a success without touching the device
-    assert raw.kvio_transfer_direct(0, 1, 0, 0, 1, 1, layout, 1, 0, 1, 0, 0, None) == 0
-    assert raw.kvio_transfer_direct(1, 1, 0, 0, 0, 1, layout, 1, 0, 1, 0, 64, None) == 0
+    assert raw.kvio_transfer_direct(0, 1, 0, 0, 1, 1, layout, 1, 0, 1, 0, 0, None, BOUNDS) == 0
+    assert raw.kvio_transfer_direct(1, 1, 0, 0, 0, 1, layout, 1, 0, 1, 0, 64, None, BOUNDS) == 0
     with pytest.raises(KernelError,
                        match=r"kvio_transfer_direct: invalid argument \(cuda error 1\)"):
         real_library.transfer_direct(0, 0, 0, 0, 1, 1, layout, 1, 0, 1, 0, 64, 0)
@@ -710,12 +733,12 @@ def test_real_library_staged_transfers_refuse_bad_arguments_before_any_cuda_call
     # n_tokens not whole pages; a layout whose page is not one contiguous run (layer_stride
     # 1024 with 32 layers needs token_stride 32 KiB: pass 16 layers instead); NULL staging;
     # a staging buffer smaller than one page. Nothing to do is a success.
-    assert staged(1, 0, 32, 1, layout, 1, 1, 0, 63, 1, 1 << 30, 1, None) == 1
-    assert staged(1, 0, 16, 1, layout, 1, 1, 0, 64, 1, 1 << 30, 1, None) == 1
-    assert staged(1, 0, 32, 1, layout, 1, 1, 0, 64, None, 1 << 30, 1, None) == 1
+    assert staged(1, 0, 32, 1, layout, 1, 1, 0, 63, 1, 1 << 30, 1, None, BOUNDS) == 1
+    assert staged(1, 0, 16, 1, layout, 1, 1, 0, 64, 1, 1 << 30, 1, None, BOUNDS) == 1
+    assert staged(1, 0, 32, 1, layout, 1, 1, 0, 64, None, 1 << 30, 1, None, BOUNDS) == 1
     host_idx = (ctypes.c_int64 * 64)(*range(64))
-    assert staged(1, 0, 32, 1, layout, host_idx, 1, 0, 64, 1, 1024, 1, None) == 1
-    assert staged(1, 0, 32, 1, layout, 1, 1, 0, 0, 1, 1 << 30, 1, None) == 0
+    assert staged(1, 0, 32, 1, layout, host_idx, 1, 0, 64, 1, 1024, 1, None, BOUNDS) == 1
+    assert staged(1, 0, 32, 1, layout, 1, 1, 0, 0, 1, 1 << 30, 1, None, BOUNDS) == 0
 
 
 def test_real_library_chained_transfer_refuses_bad_arguments_before_any_cuda_call(
@@ -724,11 +747,11 @@ def test_real_library_chained_transfer_refuses_bad_arguments_before_any_cuda_cal
     raw = real_library._lib
     layout = _native.KvioLayout.from_fields(LAYOUT)
     assert raw.kvio_transfer_direct_chained(1, None, 0, 0, 1, 1, layout, 1, 0, 1, 0, 64,
-                                            None) == 1
+                                            None, BOUNDS) == 1
     assert raw.kvio_transfer_direct_chained(1, 1, 0, -1, 1, 1, layout, 1, 0, 1, 0, 64,
-                                            None) == 1
+                                            None, BOUNDS) == 1
     assert raw.kvio_transfer_direct_chained(1, 1, 0, 0, 1, 1, layout, 1, 0, 1, 0, 0,
-                                            None) == 0
+                                            None, BOUNDS) == 0
 
 
 def test_real_library_dma_load_refuses_bad_arguments_before_any_cuda_call(
@@ -737,21 +760,21 @@ def test_real_library_dma_load_refuses_bad_arguments_before_any_cuda_call(
     raw = real_library._lib
     layout = _native.KvioLayout.from_fields(LAYOUT)
     # NULL destination, negative layer, negative n_tokens, NULL indices: invalid value (1)
-    assert raw.kvio_load_layer_dma(None, 0, 0, 1, layout, 1, 1, 64, 1, None) == 1
-    assert raw.kvio_load_layer_dma(1, 0, -1, 1, layout, 1, 1, 64, 1, None) == 1
-    assert raw.kvio_load_layer_dma(1, 0, 0, 1, layout, 1, 1, -1, 1, None) == 1
-    assert raw.kvio_load_layer_dma(1, 0, 0, 1, layout, None, 1, 64, 1, None) == 1
+    assert raw.kvio_load_layer_dma(None, 0, 0, 1, layout, 1, 1, 64, 1, None, BOUNDS) == 1
+    assert raw.kvio_load_layer_dma(1, 0, -1, 1, layout, 1, 1, 64, 1, None, BOUNDS) == 1
+    assert raw.kvio_load_layer_dma(1, 0, 0, 1, layout, 1, 1, -1, 1, None, BOUNDS) == 1
+    assert raw.kvio_load_layer_dma(1, 0, 0, 1, layout, None, 1, 64, 1, None, BOUNDS) == 1
     # an element split into chunks apart on the host (page_head) is no contiguous copy
     split = _native.KvioLayout.from_fields(LAYOUT, chunk_bytes=64, num_chunks=4,
                                            chunk_stride=4096)
-    assert raw.kvio_load_layer_dma(1, 0, 0, 1, split, 1, 1, 64, 1, None) == 1
+    assert raw.kvio_load_layer_dma(1, 0, 0, 1, split, 1, 1, 64, 1, None, BOUNDS) == 1
     # a negative index is refused before any copy is issued
     h = (ctypes.c_int64 * 2)(0, -5)
     d = (ctypes.c_int64 * 2)(0, 1)
     assert raw.kvio_load_layer_dma(1, 0, 0, 1, layout, ctypes.addressof(h),
-                                   ctypes.addressof(d), 2, 1, None) == 1
+                                   ctypes.addressof(d), 2, 1, None, BOUNDS) == 1
     # nothing to do is a success without touching the device
-    assert raw.kvio_load_layer_dma(1, 0, 0, 1, layout, None, None, 0, 1, None) == 0
+    assert raw.kvio_load_layer_dma(1, 0, 0, 1, layout, None, None, 0, 1, None, BOUNDS) == 0
 
 
 def test_real_library_signaled_load_refuses_bad_arguments_before_any_cuda_call(
@@ -761,12 +784,86 @@ def test_real_library_signaled_load_refuses_bad_arguments_before_any_cuda_call(
     assert real_library.has_layer_signals() in (True, False)  # no GPU needed to ask
     # NULL k_ptrs, no layers, negative n_tokens, NULL counters or flags, NULL indices
     signaled = raw.kvio_load_layers_signaled
-    assert signaled(None, 0, 4, 1, layout, 1, 0, 1, 0, 64, 1, 1, 1, None) == 1
-    assert signaled(1, 0, 0, 1, layout, 1, 0, 1, 0, 64, 1, 1, 1, None) == 1
-    assert signaled(1, 0, 4, 1, layout, 1, 0, 1, 0, -1, 1, 1, 1, None) == 1
-    assert signaled(1, 0, 4, 1, layout, 1, 0, 1, 0, 64, None, 1, 1, None) == 1
-    assert signaled(1, 0, 4, 1, layout, 1, 0, 1, 0, 64, 1, None, 1, None) == 1
-    assert signaled(1, 0, 4, 1, layout, None, 0, 1, 0, 64, 1, 1, 1, None) == 1
+    assert signaled(None, 0, 4, 1, layout, 1, 0, 1, 0, 64, 1, 1, 1, None, BOUNDS) == 1
+    assert signaled(1, 0, 0, 1, layout, 1, 0, 1, 0, 64, 1, 1, 1, None, BOUNDS) == 1
+    assert signaled(1, 0, 4, 1, layout, 1, 0, 1, 0, -1, 1, 1, 1, None, BOUNDS) == 1
+    assert signaled(1, 0, 4, 1, layout, 1, 0, 1, 0, 64, None, 1, 1, None, BOUNDS) == 1
+    assert signaled(1, 0, 4, 1, layout, 1, 0, 1, 0, 64, 1, None, 1, None, BOUNDS) == 1
+    assert signaled(1, 0, 4, 1, layout, None, 0, 1, 0, 64, 1, 1, 1, None, BOUNDS) == 1
     bad = _native.KvioLayout.from_fields(LAYOUT, page_size=0)
-    assert signaled(1, 0, 4, 1, bad, 1, 0, 1, 0, 64, 1, 1, 1, None) == 1
+    assert signaled(1, 0, 4, 1, bad, 1, 0, 1, 0, 64, 1, 1, 1, None, BOUNDS) == 1
     assert raw.kvio_wait_layer_signal(None, 1, None) == 1
+
+
+# ------------------------------------------------ ABI v2 bounds, the real library on a CPU
+
+
+def _bounds(host_tokens: int, device_tokens: int) -> KvioBounds:
+    return make_bounds(host_tokens, device_tokens, ctypes.addressof(REPORT), 9)
+
+
+def _reaches_the_runtime(code: int) -> bool:
+    """Whether a call got past its argument checks: without a GPU (and maybe without a
+    driver) its first runtime call fails with a code other than cudaErrorInvalidValue."""
+    return code not in (0, 1)
+
+
+@pytest.fixture
+def no_gpu() -> None:
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("the control calls would reach a real GPU with made-up pointers")
+
+
+def test_real_library_refuses_missing_bounds(real_library: _native.NativeLibrary) -> None:
+    raw = real_library._lib
+    layout = _native.KvioLayout.from_fields(LAYOUT)
+    no_report = KvioBounds(host_tokens=64, device_tokens=64, report=0, epoch=1)
+    for bounds in (None, no_report):
+        assert raw.kvio_transfer_direct(0, 1, 0, 0, 1, 1, layout, 1, 0, 1, 0, 64, None,
+                                        bounds) == 1
+        assert raw.kvio_transfer_direct_chained(1, 1, 0, 0, 1, 1, layout, 1, 0, 1, 0, 64,
+                                                None, bounds) == 1
+        assert raw.kvio_write_back_staged(1, 0, 32, 1, layout, 1, 1, 0, 64, 1, 1 << 30, 1,
+                                          None, bounds) == 1
+        assert raw.kvio_load_all_staged(1, 0, 32, 1, layout, 1, 1, 0, 64, 1, 1 << 30, 1,
+                                        None, bounds) == 1
+        assert raw.kvio_load_layer_dma(1, 0, 0, 1, layout, 1, 1, 64, 1, None, bounds) == 1
+        assert raw.kvio_load_layers_signaled(1, 0, 4, 1, layout, 1, 0, 1, 0, 64, 1, 1, 1,
+                                             None, bounds) == 1
+
+
+@pytest.mark.parametrize("function", ["kvio_write_back_staged", "kvio_load_all_staged"])
+def test_real_library_staged_refuses_an_out_of_range_cpu_host_index_before_any_cuda_call(
+        real_library: _native.NativeLibrary, function: str, no_gpu: None) -> None:
+    staged = getattr(real_library._lib, function)
+    layout = _native.KvioLayout.from_fields(LAYOUT)  # 32 layers of 64-token pages
+    host_idx = (ctypes.c_int64 * 128)(*range(64, 192))  # host pages 1 and 2
+    dev_idx = (ctypes.c_int64 * 128)()
+
+    def call(host_tokens: int) -> int:
+        return staged(1, 0, 32, 1, layout, ctypes.addressof(host_idx),
+                      ctypes.addressof(dev_idx), 1, 128, 1, 1 << 30, 1, None,
+                      _bounds(host_tokens, 1 << 20))
+
+    assert call(191) == 1  # the last token of page 2 is out of range
+    assert call(128) == 1  # all of page 2 is
+    assert _reaches_the_runtime(call(192))  # in range: on to the device (none here)
+
+
+def test_real_library_dma_load_refuses_an_out_of_range_cpu_index_before_any_cuda_call(
+        real_library: _native.NativeLibrary, no_gpu: None) -> None:
+    raw = real_library._lib
+    layout = _native.KvioLayout.from_fields(LAYOUT)
+    h = (ctypes.c_int64 * 4)(0, 1, 2, 40)  # runs [0, 3) and [40, 41)
+    d = (ctypes.c_int64 * 4)(10, 11, 12, 7)
+
+    def call(host_tokens: int, device_tokens: int) -> int:
+        return raw.kvio_load_layer_dma(1, 0, 0, 1, layout, ctypes.addressof(h),
+                                       ctypes.addressof(d), 4, 1, None,
+                                       _bounds(host_tokens, device_tokens))
+
+    assert call(40, 13) == 1  # host 40 is out of range
+    assert call(41, 12) == 1  # device 12, the end of the first run, is
+    assert call(41, 11) == 1
+    assert _reaches_the_runtime(call(41, 13))

@@ -249,6 +249,27 @@ def test_signaled_kernels_copy_with_hinted_128_bit_accesses_and_publish_each_lay
     assert count < flag and "MEMBAR.ALL.SYS" in ops[count:flag], "the flag is not a release"
 
 
+@pytest.mark.parametrize("kernel", COPY_KERNELS + SIGNALED_KERNELS)
+def test_out_of_range_indices_are_reported_with_plain_system_stores_after_the_payload(
+        shipped: tuple[dict[str, str], str], kernel: str) -> None:
+    """ABI v2: a thread that skipped a vector for an out-of-range index stores the value and
+    the epoch into the kvio_report (pinned host memory) with st.relaxed.sys (SASS
+    ``STG.E.64.STRONG.SYS``): no atomic on host memory, and only after the thread's payload
+    stores (so the early kernels still store nothing before their dependency wait)."""
+    ops = opcodes(shipped[0][kernel])
+    report = [i for i, o in enumerate(ops) if o == "STG.E.64.STRONG.SYS"]
+    assert len(report) == 4, "value and epoch for the host and the device side"
+    assert not [o for o in ops if o.startswith(("RED.", "ATOM.")) or (".SYS" in o and "ATOM" in o)]
+    if "_v16_" in kernel:  # after the 128-bit stores of the tile (the byte loops of
+        # misaligned vectors are laid out elsewhere, so only the wide stores show the order)
+        payload = [i for i, o in enumerate(ops) if o.startswith("STG.") and ".128" in o]
+        assert payload and max(payload) < min(report)
+    if kernel in EARLY_KERNELS:
+        assert ops.index("ACQBULK") < min(report)
+    if kernel in SIGNALED_KERNELS:  # the report comes before the warp's count and flag
+        assert max(report) < next(i for i, o in enumerate(ops) if o.startswith("ATOMG.E.ADD"))
+
+
 def test_a_tuned_build_keeps_the_hinted_128_bit_copies(tools: tuple[build.Nvcc, Path],
                                                        tmp_path: Path) -> None:
     """KVIO_CUDA_TUNE's knobs (more vectors in flight, fewer blocks) change the schedule,
