@@ -386,7 +386,8 @@ def _check_pools(plan: TransferPlan, device_pool: DevicePool, host_pool: HostPoo
         raise TensorMismatch("host_pool", f"pinned host memory for {ctx}",
                              f"{host_pool.memory.value} memory; allocate it with "
                              "kvcore.allocate_host_pool so the backend chooses the allocator")
-    if plan.host_memory is HostMemory.PINNED and not host_pool.buffer.is_pinned():
+    if (plan.host_memory is HostMemory.PINNED and has_streams(device_pool.device)
+            and not host_pool.buffer.is_pinned()):
         raise TensorMismatch("host_pool.buffer", f"a pinned buffer for {ctx}",
                              "a buffer that is not pinned (its memory says pinned)")
 

@@ -22,7 +22,8 @@ from kvcore.registry import REFERENCE, default_registry
 from .helpers import case
 
 CPU = torch.device("cpu")
-SMALL = ["--through", "kernel", "--page-size", "4", "--batch-pages", "2", "--total-pages", "4", "--element-dim", "128",
+SMALL = ["--through", "kernel",
+         "--page-size", "4", "--batch-pages", "2", "--total-pages", "4", "--element-dim", "128",
          "--warmup", "1", "--repeat", "2", "--layout", "page_first", "--backend", REFERENCE]
 
 

@@ -20,7 +20,8 @@ from kvcore.registry import REFERENCE, default_registry
 from .helpers import case, register
 
 CPU = torch.device("cpu")
-SMALL = ["--through", "kernel", "--page-size", "4", "--batch-pages", "2", "--total-pages", "4", "--num-layers", "2",
+SMALL = ["--through", "kernel",
+         "--page-size", "4", "--batch-pages", "2", "--total-pages", "4", "--num-layers", "2",
          "--element-dim", "128", "--warmup", "1", "--repeat", "2"]
 
 

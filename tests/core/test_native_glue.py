@@ -7,7 +7,13 @@ from typing import Any
 import torch
 
 from kvcore.layout import Op
-from kvcore.native import DEVICE_TO_HOST, HOST_TO_DEVICE, NativeBackend, layout_fields
+from kvcore.native import (
+    DEVICE_TO_HOST,
+    HOST_TO_DEVICE,
+    BoundsCompletion,
+    NativeBackend,
+    layout_fields,
+)
 from kvcore.native_abi import make_layout
 from kvcore.pools import DevicePool, HostPool
 
@@ -276,7 +282,9 @@ def test_submit_issues_a_per_layer_load_layer_by_layer_chained_after_the_first()
                             instance=lambda: backend)
         h, d = torch.arange(16, 32), torch.arange(16)
         sub = plan.bind(dev, host).submit(h, d)
-        assert sub.completions == []  # the native backend returns None
+        for done in sub.completions:  # one report per job; none refused an index
+            assert isinstance(done, BoundsCompletion)
+            done.check()
         assert [(name, args[3]) for name, args in lib.calls] == expected
 
 
@@ -354,7 +362,8 @@ def test_a_job_for_every_layer_on_a_variant_without_signals_is_refused() -> None
 
 def test_a_single_layer_job_on_the_signaled_variant_is_the_direct_kernel() -> None:
     backend, lib, dev, host = _setup("page_first")
-    assert backend.run(_job(dev, host, Op.LOAD_LAYER, "signaled", layer=1)) is None
+    assert isinstance(backend.run(_job(dev, host, Op.LOAD_LAYER, "signaled", layer=1)),
+                      BoundsCompletion)
     assert [(name, args[3], args[4]) for name, args in lib.calls] == [("direct", 1, 1)]
 
 
