@@ -67,7 +67,7 @@ class LoadHandle:
         self._raise_failure()
         stream = current_stream(self._device)
         if stream is None:
-            self._check()
+            self._check(layer)
             return
         for sub in self._submissions:
             sub.wait_layer(layer, stream)
@@ -98,14 +98,15 @@ class LoadHandle:
         if self._failure is not None:
             raise self._failure
 
-    def _check(self) -> None:
+    def _check(self, layer: int | None = None) -> None:
         if self._checked:
             return
         try:
             for sub in self._submissions:
-                sub.check()
+                sub.check(layer)
         except Exception as exc:
             self._on_failure(exc)
-            self._failure = TransferFailed(f"load failed at completion: {exc}", exc)
+            where = "" if layer is None else f" (layer {layer})"
+            self._failure = TransferFailed(f"load failed at completion{where}: {exc}", exc)
             raise self._failure from exc
-        self._checked = True
+        self._checked = layer is None

@@ -149,17 +149,23 @@ class Submission:
     everything already ran when ``submit`` returned.
     """
 
-    __slots__ = ("_waits", "completions", "event")
+    __slots__ = ("_done", "_waits", "event")
 
-    def __init__(self, waits: dict[int, Any], event: Any, completions: list[Any]) -> None:
+    def __init__(self, waits: dict[int, Any], event: Any,
+                 completions: list[tuple[int | None, Any]]) -> None:
         self._waits = waits
         self.event = event
-        self.completions = completions
+        self._done = completions  # (layer the completion belongs to, None: every layer)
 
     @property
     def layers(self) -> tuple[int, ...]:
         """The layers a consumer can wait for (every layer of a load; none for a write)."""
         return tuple(self._waits)
+
+    @property
+    def completions(self) -> list[Any]:
+        """What the backend returned for the jobs of this submission (None ones left out)."""
+        return [c for _, c in self._done]
 
     def wait_layer(self, layer: int, stream: Any) -> None:
         wait = self._waits.get(layer)
@@ -177,9 +183,12 @@ class Submission:
         if self.event is not None:
             self.event.synchronize()
 
-    def check(self) -> None:
-        for c in self.completions:
-            c.check()
+    def check(self, layer: int | None = None) -> None:
+        """Raise the failure of the whole submission, or with ``layer`` of the jobs that
+        moved that layer (a job for every layer counts for each)."""
+        for owner, c in self._done:
+            if layer is None or owner is None or owner == layer:
+                c.check()
 
 
 class BoundPlan:
@@ -303,11 +312,12 @@ class BoundPlan:
                 event = recorded_event(self.device, s)
                 waits = dict.fromkeys(range(self.num_layers), event) \
                     if self.op is Op.LOAD_ALL else {}
-                return Submission(waits, event, [done] if done is not None else [])
+                return Submission(waits, event, [] if done is None else [(None, done)])
             if layer is not None:
                 done = self._run(support, hp, dp, layer, s, chained)
                 event = recorded_event(self.device, s)
-                return Submission({layer: event}, event, [done] if done is not None else [])
+                return Submission({layer: event}, event,
+                                  [] if done is None else [(layer, done)])
             if support.layer_signals:
                 signals = self._run(support, hp, dp, None, s, False)
                 if not isinstance(signals, LayerSignals):
@@ -317,13 +327,13 @@ class BoundPlan:
                         f"check); it returned {type(signals).__name__}")
                 event = recorded_event(self.device, s)
                 return Submission(dict.fromkeys(range(self.num_layers), signals), event,
-                                  [signals])
+                                  [(None, signals)])
             waits: dict[int, Any] = {}
             completions = []
             for n in range(self.num_layers):
                 done = self._run(support, hp, dp, n, s, n > 0)
                 if done is not None:
-                    completions.append(done)
+                    completions.append((n, done))
                 waits[n] = recorded_event(self.device, s)
             return Submission(waits, waits[self.num_layers - 1], completions)
 

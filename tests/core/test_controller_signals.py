@@ -145,28 +145,30 @@ class Event:
 
 
 def _handle(signals: Signals, failures: list[BaseException]) -> LoadHandle:
-    sub = Submission(dict.fromkeys(range(LAYERS), signals), Event(), [signals])
+    sub = Submission(dict.fromkeys(range(LAYERS), signals), Event(), [(None, signals)])
     return LoadHandle([sub], LAYERS, torch.device("cpu"), failures.append)
 
 
 def test_a_submission_with_signals_waits_on_the_layers_own_signal() -> None:
     signals = Signals()
-    sub = Submission(dict.fromkeys(range(LAYERS), signals), Event(), [signals])
+    sub = Submission(dict.fromkeys(range(LAYERS), signals), Event(), [(None, signals)])
     sub.wait_layer(2, "stream")
     sub.wait_layer(0, "stream")
     assert signals.waits == [(2, "stream"), (0, "stream")]
     assert sub.query() and signals.checks == 0
 
 
-def test_a_handle_checks_a_signaled_load_once() -> None:
+def test_a_handle_stops_checking_a_signaled_load_once_it_passed() -> None:
     signals, failures = Signals(), []
     handle = _handle(signals, failures)
     handle.wait_layer(2)  # on the CPU the load already ran: its outcome is checked here
     handle.wait_layer(0)
     assert signals.waits == []  # the CPU has no stream to order
+    assert signals.checks == 2  # one job for every layer answers for each layer
     assert handle.done()
     handle.check()
-    assert signals.checks == 1 and failures == []
+    handle.wait_layer(1)
+    assert signals.checks == 3 and failures == []  # once the whole load passed, never again
 
 
 def test_a_failed_signaled_load_fails_every_later_wait() -> None:
