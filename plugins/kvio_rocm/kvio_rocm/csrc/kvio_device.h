@@ -301,13 +301,12 @@ KVIO_DEVICE void kvio_copy_body(const kvio_copy_params& p) {
                 Access::store(dst[k], buf[k]);
         } else {
             // A lane with an out-of-range index (a bug upstream): its skipped items touch no
-            // byte, the others are copied, then the lane records one bad value per side.
+            // byte, the others are copied one at a time (a cold path: one vector in flight
+            // keeps its registers few, so the hot path's occupancy is what it was), then the
+            // lane records one bad value per side.
 #pragma unroll
             for (int k = 0; k < KVIO_UNROLL; ++k)
-                if (ok[k]) buf[k] = Access::load(src[k]);
-#pragma unroll
-            for (int k = 0; k < KVIO_UNROLL; ++k)
-                if (ok[k]) Access::store(dst[k], buf[k]);
+                if (ok[k]) Access::store(dst[k], Access::load(src[k]));
             if (host_bad) kvio_report_bad(p, 0, host_value);
             if (dev_bad) kvio_report_bad(p, 16, dev_value);
         }
