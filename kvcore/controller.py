@@ -44,7 +44,7 @@ from kvcore.plan import BoundPlan, Submission, TransferPlan
 from kvcore.policy import CacheEvent, WritePolicy, should_back_up
 from kvcore.pools import DevicePool, HostPool
 from kvcore.registry import Registry, default_registry, make_request
-from kvcore.streams import current_stream, new_stream
+from kvcore.streams import Fence, current_stream, new_stream
 from kvcore.validate import check_index_tensor
 
 
@@ -132,6 +132,7 @@ class HiCacheController:
             agree_on_plans(self.plan_facts(), process_group, agreement_timeout_s)
         self.write_stream = new_stream(self.device)
         self.load_stream = new_stream(self.device)
+        self._fence = Fence(self.device)
         self._pending: collections.deque[PendingWrite] = collections.deque()
         self._ids = itertools.count()
         self._unusable: BaseException | None = None
@@ -316,7 +317,7 @@ class HiCacheController:
         pool-group member (indices already checked). Each member's bound plan decides how
         its layers go (one job, layer by layer, or signaled)."""
         if stream is not None:
-            stream.wait_stream(current_stream(self.device))
+            self._fence.order(stream, current_stream(self.device))
             # the index tensors were made on the caller's stream and are used on ours
             for t in (h, d):
                 if t.device.type != "cpu":

@@ -38,7 +38,6 @@ from kvcore.errors import (
     TensorMismatch,
 )
 from kvcore.layout import Kind, Layout, Op, page_contiguous
-from kvcore.signals import LayerSignals
 from kvcore.streams import current_stream, has_streams, on_stream, recorded_event
 from kvcore.validate import check_cpu_indices, check_index_tensor, describe_tensor
 
@@ -171,8 +170,8 @@ class Submission:
         wait = self._waits.get(layer)
         if wait is None or stream is None:
             return
-        if isinstance(wait, LayerSignals):
-            wait.wait_layer(layer, stream)
+        if hasattr(wait, "wait_layer"):  # LayerSignals (not isinstance: a Protocol check
+            wait.wait_layer(layer, stream)  # costs microseconds per layer)
         else:
             stream.wait_event(wait)
 
@@ -304,38 +303,41 @@ class BoundPlan:
             h, d = host_indices, device_indices
         support = self.variant_for(h, d)
         s = stream if stream is not None else current_stream(self.device)
-        with on_stream(s):
-            hp = _place(h, support.host_index, self.device)
-            dp = _place(d, support.device_index, self.device)
-            if self.op is not Op.LOAD_LAYER:
-                done = self._run(support, hp, dp, None, s, False)
-                event = recorded_event(self.device, s)
-                waits = dict.fromkeys(range(self.num_layers), event) \
-                    if self.op is Op.LOAD_ALL else {}
-                return Submission(waits, event, [] if done is None else [(None, done)])
-            if layer is not None:
-                done = self._run(support, hp, dp, layer, s, chained)
-                event = recorded_event(self.device, s)
-                return Submission({layer: event}, event,
-                                  [] if done is None else [(layer, done)])
-            if support.layer_signals:
-                signals = self._run(support, hp, dp, None, s, False)
-                if not isinstance(signals, LayerSignals):
-                    raise ContractViolation(
-                        f"{self.context}: variant {support.variant!r} declares layer_signals, "
-                        "so a job for every layer must return LayerSignals (wait_layer, "
-                        f"check); it returned {type(signals).__name__}")
-                event = recorded_event(self.device, s)
-                return Submission(dict.fromkeys(range(self.num_layers), signals), event,
-                                  [(None, signals)])
-            waits: dict[int, Any] = {}
-            completions = []
-            for n in range(self.num_layers):
-                done = self._run(support, hp, dp, n, s, n > 0)
-                if done is not None:
-                    completions.append((n, done))
-                waits[n] = recorded_event(self.device, s)
-            return Submission(waits, waits[self.num_layers - 1], completions)
+        hp, dp = h, d
+        if not (_fits(h, support.host_index, self.device)
+                and _fits(d, support.device_index, self.device)):
+            with on_stream(s):  # copies and allocations are ordered on the transfer's stream
+                hp = _place(h, support.host_index, self.device)
+                dp = _place(d, support.device_index, self.device)
+        if self.op is not Op.LOAD_LAYER:
+            done = self._run(support, hp, dp, None, s, False)
+            event = recorded_event(self.device, s)
+            waits = dict.fromkeys(range(self.num_layers), event) \
+                if self.op is Op.LOAD_ALL else {}
+            return Submission(waits, event, [] if done is None else [(None, done)])
+        if layer is not None:
+            done = self._run(support, hp, dp, layer, s, chained)
+            event = recorded_event(self.device, s)
+            return Submission({layer: event}, event,
+                              [] if done is None else [(layer, done)])
+        if support.layer_signals:
+            signals = self._run(support, hp, dp, None, s, False)
+            if not (hasattr(signals, "wait_layer") and hasattr(signals, "check")):
+                raise ContractViolation(
+                    f"{self.context}: variant {support.variant!r} declares layer_signals, "
+                    "so a job for every layer must return LayerSignals (wait_layer, "
+                    f"check); it returned {type(signals).__name__}")
+            event = recorded_event(self.device, s)
+            return Submission(dict.fromkeys(range(self.num_layers), signals), event,
+                              [(None, signals)])
+        waits: dict[int, Any] = {}
+        completions = []
+        for n in range(self.num_layers):
+            done = self._run(support, hp, dp, n, s, n > 0)
+            if done is not None:
+                completions.append((n, done))
+            waits[n] = recorded_event(self.device, s)
+        return Submission(waits, waits[self.num_layers - 1], completions)
 
     def _run(self, support: OpSupport, h: torch.Tensor, d: torch.Tensor, layer: int | None,
              stream: Any, chained: bool) -> Any:
@@ -348,6 +350,12 @@ class BoundPlan:
 
 def _wants(v: OpSupport, residency: Residency) -> bool:
     return v.host_index.residency is residency and v.device_index.residency is residency
+
+
+def _fits(indices: torch.Tensor, spec: IndexSpec, device: torch.device) -> bool:
+    """Whether ``indices`` already are where and how ``spec`` wants them."""
+    return (indices.dtype in spec.dtypes and indices.is_contiguous()
+            and indices.device == residency_device(spec.residency, device))
 
 
 def _place(indices: torch.Tensor, spec: IndexSpec, device: torch.device) -> torch.Tensor:

@@ -70,3 +70,20 @@ def on_stream(stream: Any) -> Iterator[None]:
     module = torch.get_device_module(stream.device)
     with module.stream(stream):
         yield
+
+
+class Fence:
+    """Orders a stream after the work enqueued so far on another, through one event that is
+    recorded again for every use (a wait binds to the record made before it, so reusing the
+    event is safe and saves creating one per call). A no-op where the device has no
+    streams."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._event = new_event(device)
+
+    def order(self, stream: Any, after: Any) -> None:
+        """Make ``stream`` wait for everything enqueued on ``after`` until now."""
+        if self._event is None or stream is None:
+            return
+        self._event.record(after)
+        stream.wait_event(self._event)

@@ -100,7 +100,8 @@ def test_dma_per_layer_load_equals_the_reference(kind: str, layout: str) -> None
         dev, host = _pools(kind, layout, gen)
         before = dev.clone()
         expected = dev.clone()
-        for layer in range(LAYERS):  # CPU indices: the copy engine computes addresses there
+        h, d = h.cpu(), d.cpu()  # the copy engine computes its addresses on the CPU
+        for layer in range(LAYERS):
             assert plan.bind(dev, host).variant_for(h, d).variant == "dma"
             plan.transfer(dev, host, h, d, layer=layer)
             ref.transfer(expected, host, h, d.to(DEVICE), layer=layer)
