@@ -27,12 +27,10 @@ def main() -> None:
     dev_name = "cuda"
     P, L, n = 64, 32, args.pages
     dev = DevicePool.allocate("mha", L, 4 * n * P, 8, 128, torch.bfloat16, dev_name, P)
-    host = allocate_host_pool("mha", args.layout, L, args.calls * n * P, 8, 128,
+    host = allocate_host_pool("mha", args.layout, L, 2 * args.calls * n * P + n * P, 8, 128,
                               torch.bfloat16, P, dev_name)
     ctl = HiCacheController(dev, host)
     d = torch.arange(n * P, device=dev_name)
-    ctl.write(d)
-    ctl.wait_acks()
 
     warm = [ctl.write(d) for _ in range(args.calls)]
     ctl.wait_acks()
