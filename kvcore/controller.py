@@ -24,6 +24,7 @@ import contextlib
 import functools
 import itertools
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -133,6 +134,8 @@ class HiCacheController:
         self.write_stream = new_stream(self.device)
         self.load_stream = new_stream(self.device)
         self._fence = Fence(self.device)
+        # id -> (weak reference, version) of host index tensors made by this allocator
+        self._issued: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
         self._pending: collections.deque[PendingWrite] = collections.deque()
         self._ids = itertools.count()
         self._unusable: BaseException | None = None
@@ -192,6 +195,8 @@ class HiCacheController:
                     _drain_stream(self.write_stream)
                     self.allocator.free(h)
                 raise self._failure("write-back", exc) from exc
+            if owns:
+                self._remember(h)
             ack = WriteAck(next(self._ids), h, d)
             self._pending.append(PendingWrite(ack, subs[-1].event, subs, owns))
             return ack
@@ -301,7 +306,8 @@ class HiCacheController:
         with self._lock:
             self._check_usable()
             op = Op.LOAD_ALL if all_layers else Op.LOAD_LAYER
-            h, d = self.bound[(0, op)].check(host_indices, device_indices)
+            h, d = self.bound[(0, op)].check(host_indices, device_indices,
+                                             host_trusted=self._issued_here(host_indices))
             try:
                 subs = self._submit(op, self.load_stream, h, d)
             except BaseException as exc:
@@ -310,6 +316,19 @@ class HiCacheController:
                               self._record_fault)
 
     # -- internals -------------------------------------------------------------------------
+
+    def _remember(self, host_indices: torch.Tensor) -> None:
+        """Note a host index tensor this controller's allocator made (an ack's), with its
+        version: handed back unmodified to :meth:`load`, its values need no check again."""
+        key = id(host_indices)
+        self._issued[key] = (weakref.ref(host_indices,
+                                         lambda _, k=key: self._issued.pop(k, None)),
+                             host_indices._version)
+
+    def _issued_here(self, t: object) -> bool:
+        entry = self._issued.get(id(t))
+        return (entry is not None and entry[0]() is t
+                and t._version == entry[1])  # type: ignore[attr-defined]
 
     def _submit(self, op: Op, stream: Any, h: torch.Tensor, d: torch.Tensor,
                 ) -> list[Submission]:

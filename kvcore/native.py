@@ -261,13 +261,13 @@ class NativeLayerSignals:
     def __init__(self, backend: NativeBackend, buffer: SignalBuffer, epoch: int,
                  done: BoundsCompletion) -> None:
         self._wait: Callable[[int, int, int], None] = backend.lib.wait_layer_signal
-        self._stream_handle = backend.stream_handle
+        self._raw_stream = backend.raw_stream
         self._buffer = buffer  # keeps the flags alive while a wait may be enqueued
         self._done = done
         self.epoch = epoch
 
     def wait_layer(self, layer: int, stream: Any) -> None:
-        self._wait(self._buffer.flags + 4 * layer, self.epoch, self._stream_handle(stream))
+        self._wait(self._buffer.flags + 4 * layer, self.epoch, self._raw_stream(stream))
 
     def check(self) -> None:
         self._done.check()

@@ -45,7 +45,9 @@ def current_stream(device: torch.device) -> Any:
     """The stream new work on ``device`` is ordered on, or None."""
     if not has_streams(device):
         return None
-    return torch.get_device_module(device).current_stream(device)
+    # an int index skips parsing a torch.device on every call (this is on every submit)
+    return torch.get_device_module(device.type).current_stream(
+        device.index if device.index is not None else device)
 
 
 def new_event(device: torch.device) -> Any:

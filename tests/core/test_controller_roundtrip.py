@@ -16,7 +16,15 @@ from kvcore.pools import DevicePool
 from kvcore.registry import Registry
 from kvcore.verify import random_fill
 
-from .helpers import KIND_LAYOUTS, bytes_equal, make_pools, page_tokens, poison, poisoned_like
+from .helpers import (
+    KIND_LAYOUTS,
+    bytes_equal,
+    make_pools,
+    page_tokens,
+    poison,
+    poisoned_like,
+    reference_only,
+)
 
 NUM_LAYERS = 3
 
@@ -150,3 +158,19 @@ def test_roundtrip_odd_element_sizes(ref_registry: Registry, gen: torch.Generato
     roundtrip(ref_registry, gen, kind, layout, dtype=torch.float16, pages=5, page_size=8,
               index_dtype=index_dtype, reverse_host=True, head_num=head_num,
               head_dim=head_dim)
+
+
+def test_an_acks_host_indices_are_checked_again_once_modified() -> None:
+    """load() trusts the host indices of its own acks only while they are unmodified."""
+    from kvcore.errors import InvalidIndices
+
+    dev, host = make_pools(Kind.MHA, Layout.PAGE_FIRST, num_layers=2, host_pages=4,
+                           device_size=32, head_num=2, head_dim=8, page_size=4,
+                           dtype=torch.bfloat16, registry=reference_only())
+    ctl = HiCacheController(dev, host, registry=reference_only())
+    ack = ctl.write(torch.arange(8))
+    ctl.wait_acks()
+    ctl.load(ack.host_indices, torch.arange(8, 16)).wait()  # its own, unmodified: fine
+    ack.host_indices[0] = 10**6  # in place: the version moves on
+    with pytest.raises(InvalidIndices, match="host_indices"):
+        ctl.load(ack.host_indices, torch.arange(8, 16))

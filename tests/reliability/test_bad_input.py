@@ -102,7 +102,8 @@ def test_bad_input_gives_the_oracle_result_or_a_typed_error(data: st.DataObject)
         assert bytes_equal(m.host.buffer, host0)
         for t, orig in zip(m.device.all_buffers(), dev0, strict=True):
             t.copy_(orig)  # recompute from the pre-transfer device state
-        layers = range(layer, layer + 1) if op == "load_layer" else None
+        # a per-layer load through the plan with layer None moves every layer
+        layers = range(layer, layer + 1) if op == "load_layer" and layer is not None else None
         expected_dev = oracle_load(m.device, m.host, h, d, layers)  # type: ignore[arg-type]
         ctl.load(h, d).wait() if layers is None else ctl.plan("load_layer").transfer(  # type: ignore[arg-type]
             m.device, m.host, h, d, layer=layer)
