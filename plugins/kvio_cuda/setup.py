@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -59,9 +60,10 @@ class build_py_with_kernels(build_py):
     def run(self) -> None:
         super().run()
         mode = _mode()
+        out = Path(self.build_lib) / "kvio_cuda" / "prebuilt"
+        shutil.rmtree(out, ignore_errors=True)  # never ship the libraries of an earlier build
         if getattr(self, "editable_mode", False) or mode == "off":
             return
-        out = Path(self.build_lib) / "kvio_cuda" / "prebuilt"
         try:
             build = _load_build()
             listed = [p for p in os.environ.get("KVIO_CUDA_WHEEL_NVCC", "").split(":") if p]
