@@ -18,14 +18,25 @@ that wait is what keeps stream order intact.
 
 A deliberately broken kernel (scalar byte copy) and an unhinted 128-bit copy are run
 through the same checker to prove it rejects them.
+
+With ``KVIO_CUDA_WHEEL`` naming a built kvio-cuda wheel (scripts/build_wheels.sh; .ci/run sets
+it), every check of the shipped library also runs on the sm_90a code of each library inside
+the wheel, and the wheel's libraries must hold SASS for every architecture of
+``build.PREBUILT_SASS`` and PTX of ``build.PREBUILT_PTX`` (cuobjdump --list-elf/--list-ptx),
+match the sha256 of their manifest, and keep the hinted 128-bit copies without spills on every
+architecture.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
+import json
+import os
 import re
 import shutil
 import subprocess
+import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -139,14 +150,71 @@ def _dump(cuobjdump: Path, binary: Path) -> dict[str, str]:
     return split_functions(proc.stdout)
 
 
+def _dump_arch(cuobjdump: Path, binary: Path, arch: str) -> dict[str, str]:
+    """SASS by function of the ``arch`` cubin in a library holding several."""
+    proc = subprocess.run([str(cuobjdump), "--dump-sass", "-arch", arch, str(binary)],
+                          capture_output=True, text=True, check=False)
+    assert proc.returncode == 0, proc.stderr
+    return split_functions(proc.stdout)
+
+
+def ptxas_for_arch(log: str, arch: str) -> str:
+    """The part of a ``-Xptxas -v`` report of several architectures about ``arch``."""
+    parts = re.split(r"^(ptxas info\s*: Compiling entry function '\S+' for '(\S+)')\n", log,
+                     flags=re.M)
+    return "".join(parts[i] + "\n" + parts[i + 2] for i in range(1, len(parts) - 2, 3)
+                   if parts[i + 1] == arch)
+
+
+#: a built kvio-cuda wheel whose libraries the checks also run on
+WHEEL_ENV = "KVIO_CUDA_WHEEL"
+_LIB_IN_WHEEL = re.compile(r"kvio_cuda/prebuilt/(libkvio_cuda-cu\d+\.so)")
+
+
+def _wheel_libraries() -> list[str]:
+    """The library names inside $KVIO_CUDA_WHEEL (at collection: they parametrize tests)."""
+    wheel = os.environ.get(WHEEL_ENV)
+    if not wheel or not Path(wheel).is_file():
+        return ["(no wheel)"]
+    with zipfile.ZipFile(wheel) as zf:
+        return sorted(m.group(1) for n in zf.namelist() if (m := _LIB_IN_WHEEL.fullmatch(n)))
+
+
 @pytest.fixture(scope="module")
-def shipped(tools: tuple[build.Nvcc, Path],
+def wheel_prebuilt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``kvio_cuda/prebuilt/`` extracted from $KVIO_CUDA_WHEEL (skipped when it is unset)."""
+    wheel = os.environ.get(WHEEL_ENV)
+    if not wheel:
+        pytest.skip(f"{WHEEL_ENV} is unset: no built wheel to check (scripts/build_wheels.sh)")
+    assert Path(wheel).is_file(), f"{WHEEL_ENV}={wheel}: no such file"
+    out = tmp_path_factory.mktemp("wheel")
+    with zipfile.ZipFile(wheel) as zf:
+        zf.extractall(out, [n for n in zf.namelist() if n.startswith("kvio_cuda/")])
+    return out / "kvio_cuda" / "prebuilt"
+
+
+def _manifest(prebuilt: Path) -> dict[str, dict]:
+    data = json.loads((prebuilt / build.MANIFEST_NAME).read_text())
+    return {e["file"]: e for e in data["libraries"]}
+
+
+@pytest.fixture(scope="module", params=["fresh build", *_wheel_libraries()])
+def shipped(request: pytest.FixtureRequest, tools: tuple[build.Nvcc, Path],
             tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[dict[str, str], str]]:
-    """(SASS by function, ptxas log) of the library built from csrc/kvio_cuda.cu."""
+    """(SASS by function, ptxas log) for sm_90a of the library built from csrc/kvio_cuda.cu,
+    and of each library inside $KVIO_CUDA_WHEEL."""
     nvcc, cuobjdump = tools
-    out = tmp_path_factory.mktemp("sass") / "libkvio_cuda.so"
-    log = _compile(nvcc, build.SOURCE, out)
-    yield _dump(cuobjdump, out), log
+    if request.param == "fresh build":
+        out = tmp_path_factory.mktemp("sass") / "libkvio_cuda.so"
+        log = _compile(nvcc, build.SOURCE, out)
+        yield _dump(cuobjdump, out), log
+        return
+    prebuilt = request.getfixturevalue("wheel_prebuilt")
+    library = prebuilt / request.param
+    sm = build.arch_name(*ARCH)
+    assert sm in _manifest(prebuilt)[request.param]["sass"], f"{request.param} has no {sm}"
+    log = (prebuilt / f"{library.stem}.ptxas.txt").read_text()
+    yield _dump_arch(cuobjdump, library, sm), ptxas_for_arch(log, sm)
 
 
 #: the chained per-layer load's kernels: host reads issued before the dependency wait
@@ -322,3 +390,75 @@ def test_checker_rejects_broken_kernels(tools: tuple[build.Nvcc, Path], tmp_path
     assert any(expected in p for p in problems), problems
     if kernel.endswith("unhinted"):
         assert any("streaming hint (.EF)" in p for p in problems), problems
+
+
+# --------------------------------------------------------------- the wheel's libraries
+
+
+def _listed(cuobjdump: Path, flag: str, library: Path) -> list[str]:
+    """``sm_90a`` and the like from ``cuobjdump --list-elf`` / ``--list-ptx`` (each once)."""
+    proc = subprocess.run([str(cuobjdump), flag, str(library)], capture_output=True, text=True,
+                          check=True)
+    return sorted(set(re.findall(r"\.(sm_\w+)\.(?:cubin|ptx)\s*$", proc.stdout, re.M)),
+                  key=lambda a: (len(a), a))
+
+
+def test_the_wheel_is_for_any_python_on_linux_x86_64(wheel_prebuilt: Path) -> None:
+    name = Path(os.environ[WHEEL_ENV]).name
+    assert name.endswith("-py3-none-linux_x86_64.whl"), name
+    assert _manifest(wheel_prebuilt), "the wheel holds no prebuilt library"
+
+
+def test_wheel_libraries_match_their_manifest(wheel_prebuilt: Path) -> None:
+    sources = wheel_prebuilt.parent / "csrc"
+    data = json.loads((wheel_prebuilt / build.MANIFEST_NAME).read_text())
+    from kvcore.buildcache import files_digest
+
+    assert data["sources"] == files_digest(sorted(
+        p for p in sources.iterdir() if p.suffix in (".cu", ".cuh", ".h")))
+    for name, entry in _manifest(wheel_prebuilt).items():
+        lib = wheel_prebuilt / name
+        assert hashlib.sha256(lib.read_bytes()).hexdigest() == entry["sha256"], name
+        assert name == f"libkvio_cuda-cu{entry['cuda_major']}.so"
+        # the plugin picks it for an sm_90 GPU under its CUDA major, unless csrc/ changed since
+        choice = build.choose_library(9, 0, f"{entry['cuda_major']}.0", wheel_prebuilt)
+        if data["sources"] == files_digest(build.source_files()):
+            assert choice.prebuilt is not None and choice.prebuilt.path == lib, choice.reason
+            assert choice.code == "sm_90a SASS"
+        else:
+            assert "other sources" in choice.reason
+
+
+def test_wheel_libraries_hold_every_architecture(wheel_prebuilt: Path,
+                                                 tools: tuple[build.Nvcc, Path]) -> None:
+    _, cuobjdump = tools
+    for name, entry in _manifest(wheel_prebuilt).items():
+        lib = wheel_prebuilt / name
+        assert entry["sass"] + entry["skipped"] + entry["ptx"] != []
+        assert _listed(cuobjdump, "--list-elf", lib) == entry["sass"], name
+        assert _listed(cuobjdump, "--list-ptx", lib) == [
+            a.replace("compute_", "sm_") for a in entry["ptx"]], name
+        if entry["cuda_major"] >= 13:  # nvcc 13 knows every architecture asked for
+            assert entry["sass"] == list(build.PREBUILT_SASS), name
+            assert entry["ptx"] == list(build.PREBUILT_PTX), name
+
+
+def test_wheel_libraries_keep_hinted_copies_without_spills_on_every_architecture(
+        wheel_prebuilt: Path, tools: tuple[build.Nvcc, Path]) -> None:
+    _, cuobjdump = tools
+    for name, entry in _manifest(wheel_prebuilt).items():
+        lib = wheel_prebuilt / name
+        log = (wheel_prebuilt / f"{lib.stem}.ptxas.txt").read_text()
+        for arch in entry["sass"]:
+            sass = _dump_arch(cuobjdump, lib, arch)
+            assert sorted(sass) == sorted(ALL_KERNELS), (name, arch)
+            for kernel in (k for k in COPY_KERNELS + SIGNALED_KERNELS if "_v16_" in k):
+                problems = check_vector_copy(sass[kernel], host_side_stores="_d2h_" in kernel)
+                assert problems == [], (name, arch, kernel, problems)
+            if build._arch_number(arch) >= 90:  # programmatic dependent launch from Hopper on
+                for kernel in COPY_KERNELS:
+                    assert "ACQBULK" in opcodes(sass[kernel]), (name, arch, kernel)
+            report = parse_ptxas(ptxas_for_arch(log, arch))
+            assert sorted(report) == sorted(ALL_KERNELS), (name, arch)
+            for fn, r in report.items():
+                assert r["spill_stores"] == r["spill_loads"] == r["stack"] == 0, (arch, fn, r)

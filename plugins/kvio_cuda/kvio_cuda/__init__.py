@@ -1,12 +1,12 @@
 """kvio_cuda: NVIDIA write-back and load kernels (nvcc-built, plain C ABI, loaded by ctypes).
 
 This module is the static registration only: capabilities and an availability probe that
-loads no native code. The kernels are built on first use (see :mod:`kvio_cuda.build`).
+loads no native code. The kernels come prebuilt in the wheel, or are built on first use (see
+:mod:`kvio_cuda.build`).
 """
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Callable
 
 import torch
@@ -32,28 +32,33 @@ MIN_COMPUTE_CAPABILITY = (8, 0)
 
 
 def check_availability() -> Availability:
-    """Available when torch is a CUDA build, an NVIDIA GPU is visible and nvcc (or a built
-    library) is at hand. Never raises."""
+    """Available when torch is a CUDA build, an NVIDIA GPU is visible and there is a library
+    for it: the wheel's prebuilt one when it holds code for the GPU (no nvcc needed), else nvcc
+    to build one on first use. The detail names the library (prebuilt or built, path, sha256,
+    architectures). Loads no native code and never raises."""
     if torch.version.cuda is None or getattr(torch.version, "hip", None):
         return Unavailable(f"torch {torch.__version__} is not a CUDA build "
                            f"(torch.version.cuda is {torch.version.cuda!r})")
     if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
         return Unavailable("no NVIDIA GPU visible (torch.cuda.is_available() is False)")
     cc = torch.cuda.get_device_capability()
+    gpu = f"{torch.cuda.get_device_name()} (sm_{cc[0]}{cc[1]})"
     if cc < MIN_COMPUTE_CAPABILITY:
         return Unavailable(f"GPU {torch.cuda.get_device_name()} has compute capability "
                            f"{cc[0]}.{cc[1]}; kvio_cuda needs "
                            f"{MIN_COMPUTE_CAPABILITY[0]}.{MIN_COMPUTE_CAPABILITY[1]} or newer")
     from kvio_cuda import build
 
+    choice = build.choose_library(cc[0], cc[1], torch.version.cuda)
+    if choice.prebuilt is not None:
+        return Available(f"{gpu}, CUDA {torch.version.cuda}: {choice.describe()}")
     try:
         nvcc = build.find_nvcc()
+        built = build.describe_built(cc[0], cc[1])
     except kvcore.KVCoreError as exc:
-        return Unavailable(str(exc))
-    if nvcc is None and shutil.which("nvcc") is None:
-        return Unavailable("nvcc not found on PATH, in $CUDA_HOME/bin or /usr/local/cuda/bin; "
-                           "the kernels are built on first use")
-    return Available(f"{torch.cuda.get_device_name()} (sm_{cc[0]}{cc[1]}), nvcc {nvcc}")
+        return Unavailable(f"no prebuilt library for {gpu} ({choice.reason}), and {exc}")
+    return Available(f"{gpu}, CUDA {torch.version.cuda}: {built} with nvcc {nvcc}; not "
+                     f"prebuilt: {choice.reason}")
 
 
 #: host layouts whose per-layer loads use the copy engine (the ``dma`` variant) for page

@@ -1,4 +1,5 @@
-"""The CUDA backend object: builds/loads the kernel library and runs jobs through it."""
+"""The CUDA backend object: loads the prebuilt kernel library (or builds one) and runs jobs
+through it."""
 
 from __future__ import annotations
 
@@ -14,10 +15,13 @@ class CudaBackend(NativeBackend):
 
     def __init__(self, device: torch.device) -> None:
         from kvio_cuda._native import NativeLibrary
-        from kvio_cuda.build import build_library
+        from kvio_cuda.build import library_path
 
         major, minor = torch.cuda.get_device_capability(device)
-        super().__init__(device, NativeLibrary(build_library(major, minor)))
+        # the wheel's prebuilt library when it holds code for this GPU (sha256 checked before
+        # it is loaded), else a build on first use
+        self.library_choice, path = library_path(major, minor, torch.version.cuda)
+        super().__init__(device, NativeLibrary(path))
 
     def raw_stream(self, stream: Any) -> int:
         return int(stream.cuda_stream)
