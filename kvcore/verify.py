@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import attrs
 import torch
 
 from kvcore.errors import TransferFailed
@@ -72,8 +73,7 @@ def verify_plans(ctl: HiCacheController) -> None:
         if all(p.backend_name == REFERENCE for p in plans.values()):
             continue
         g = m.host.geometry
-        small = Geometry(g.kind, g.layout, g.num_layers, 2 * g.page_size, g.head_num,
-                         g.head_dim, g.page_size)
+        small = attrs.evolve(g, size=2 * g.page_size)
         dev = _scratch_device(m.device, g, gen)
         host_buf, memory = plans[Op.WRITE_BACK].instance().allocate_host(host_shape(small),
                                                                           m.device.dtype)

@@ -13,7 +13,7 @@ import attrs
 import torch
 
 from kvcore.errors import InvalidArgument
-from kvcore.layout import Kind, Layout, Op, parse_enum
+from kvcore.layout import Kind, Layout, Op, layouts_for, parse_enum
 from kvcore.plan import dtype_name
 
 #: head_dim of an MHA case whose element_dim is a multiple of it (else one head of element_dim)
@@ -161,7 +161,7 @@ def expand(sweep: Sweep) -> list[Case]:
     for kind, layout, dtype, ps, bp, tp, nl, ed, op in itertools.product(
             sweep.kinds, sweep.layouts, sweep.dtypes, sweep.page_sizes, sweep.batch_pages,
             sweep.total_pages, sweep.num_layers, sweep.element_dims, sweep.ops):
-        if kind is Kind.MLA and layout is Layout.PAGE_HEAD:
+        if layout not in layouts_for(kind):
             continue
         cases.append(Case(op, kind, layout, dtype, ps, bp, tp, nl, ed))
     return cases

@@ -23,7 +23,16 @@ from kvio_rocm import build
 from kvio_rocm._native import NativeLibrary, make_layout
 
 from kvcore.errors import BuildError, InvalidArgument, KernelError
-from kvcore.layout import Geometry, Kind, Layout, byte_strides, canonical_view, host_shape
+from kvcore.layout import (
+    Geometry,
+    Kind,
+    Layout,
+    byte_strides,
+    canonical_view,
+    host_shape,
+    join_heads,
+    split_heads,
+)
 from kvcore.native import layout_fields
 
 POISON = 0x5A
@@ -150,7 +159,7 @@ def test_transfer_direct_matches_layout(emul, case, direction, idx) -> None:
         view = canonical_view(expected, g)
         h = host_idx.long()
         for kv, layer in itertools.product(range(g.kv_count), layers):
-            view[kv, layer, h // P, h % P] = pool.layers[kv][layer][dev_idx.long()]
+            view[kv, layer, h // P, h % P] = split_heads(pool.layers[kv][layer][dev_idx.long()], g)
     else:
         pool = make_pool(g, dtype, dev_tokens, gen, poison=True)
         host = random_like(host_shape(g), dtype, gen)
@@ -158,7 +167,7 @@ def test_transfer_direct_matches_layout(emul, case, direction, idx) -> None:
         h = host_idx.long()
         expected_layers = [[t.clone() for t in per] for per in pool.layers]
         for kv, layer in itertools.product(range(g.kv_count), layers):
-            expected_layers[kv][layer][dev_idx.long()] = view[kv, layer, h // P, h % P]
+            expected_layers[kv][layer][dev_idx.long()] = join_heads(view[kv, layer, h // P, h % P])
 
     lib.transfer_direct(direction, pool.k_ptrs, pool.v_ptrs, layer_begin, layer_count,
                         host.data_ptr(), strides, host_idx.data_ptr(),
@@ -192,7 +201,7 @@ def test_launch_is_split_and_grid_strided(emul) -> None:
     assert c["items"] == 2 * 8 * 256  # two launches of 8 workgroups of 256 work-items
     view = canonical_view(host, g)
     for kv, layer in itertools.product(range(2), range(4)):
-        assert torch.equal(view[kv, layer, host_idx // 8, host_idx % 8],
+        assert torch.equal(join_heads(view[kv, layer, host_idx // 8, host_idx % 8]),
                            pool.layers[kv][layer][dev_idx])
 
 
@@ -278,7 +287,7 @@ def test_write_back_staged(emul, case, use_batched, dev64) -> None:
     expected = host.clone()
     view = canonical_view(expected, g)
     for kv, layer in itertools.product(range(g.kv_count), range(g.num_layers)):
-        view[kv, layer, h // P, h % P] = rig.pool.layers[kv][layer][d]
+        view[kv, layer, h // P, h % P] = split_heads(rig.pool.layers[kv][layer][d], g)
 
     raw.kvio_emul_reset()
     lib.write_back_staged(*rig.args(host, dev64, use_batched))
@@ -305,7 +314,7 @@ def test_load_all_staged(emul, case, use_batched, dev64) -> None:
     lib.load_all_staged(*rig.args(host, dev64, use_batched))
     for kv, layer in itertools.product(range(g.kv_count), range(g.num_layers)):
         got = rig.pool.layers[kv][layer].view(torch.uint8)
-        want = view[kv, layer, h // P, h % P].contiguous().view(torch.uint8)
+        want = join_heads(view[kv, layer, h // P, h % P]).contiguous().view(torch.uint8)
         assert torch.equal(got[d], want), (kv, layer)
         assert bool((got[untouched] == POISON).all()), (kv, layer)  # untouched slots
     rig.check_counters(raw, use_batched)
@@ -375,7 +384,7 @@ def test_batch_not_supported_falls_back_to_per_run(emul) -> None:
     assert c["memcpy"] == 2  # pages 1, 2 merged: one run per K/V
     view = canonical_view(host, g)
     for kv, layer in itertools.product(range(2), range(2)):
-        got = view[kv, layer, host_idx // 4, host_idx % 4]
+        got = join_heads(view[kv, layer, host_idx // 4, host_idx % 4])
         assert torch.equal(got.view(torch.uint8), pool.layers[kv][layer][dev_idx].view(torch.uint8))
 
 
