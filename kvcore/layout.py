@@ -197,9 +197,8 @@ def head_group_options(kind: Kind, layout: Layout, head_num: int, head_dim: int,
                        itemsize: int) -> tuple[int, ...]:
     """Every head_group_num a pool of this kind, layout and element may use."""
     s = spec(layout)
-    if not s.has_head_groups(kind):
-        return (1,)
-    return tuple(n for n in range(1, head_num + 1) if head_num % n == 0
+    counts = range(1, head_num + 1) if s.has_head_groups(kind) else (1,)
+    return tuple(n for n in counts if head_num % n == 0
                  and (head_num // n * head_dim * itemsize) % s.row_alignment == 0)
 
 
