@@ -35,11 +35,14 @@ layer_first        (2, L, S, H, D)               (L, S, 1, D)
 page_first         (2, S, L, H, D)               (S, L, 1, D)
 page_first_direct  (2, S/P, L, P, H, D)          (S/P, L, P, 1, D)
 page_head          (2, S/P, H, P, L, D)          not defined
+page_unified       (S/P, G, L, 2, P, H/G, D)     (S/P, L, P, D)
 =================  ============================  ======================
 
 MLA shapes are SGLang's own host pools' shapes, so buffers interoperate: the MLA buffer is the
 MHA one without the K/V axis; the older layouts keep a head axis of extent 1 there, as SGLang
-does.
+does, and page_unified has none, as SGLang's page_unified pool (the bytes are the same either
+way: MLA page_unified is byte for byte MLA page_first_direct). page_unified needs a head
+group's token row (H/G * D * itemsize) to be a multiple of 16 bytes.
 """
 
 from __future__ import annotations
@@ -68,6 +71,7 @@ class Layout(str, enum.Enum):
     PAGE_FIRST = "page_first"
     PAGE_FIRST_DIRECT = "page_first_direct"
     PAGE_HEAD = "page_head"
+    PAGE_UNIFIED = "page_unified"
 
 
 class Op(str, enum.Enum):
@@ -151,6 +155,10 @@ SPECS: dict[Layout, LayoutSpec] = {s.layout: s for s in (
                mla_missing="an MLA token has a single head, so page_head would equal "
                            "page_first_direct; use page_first_direct, which has the same bytes "
                            "for a single-head latent"),
+    # SGLang 0.5.23 (mem_cache/pool_host/page_unified.py): one page is one block, cut by head
+    # group, then layer, so a (head group, layer range) chunk is one run for an L3 store
+    LayoutSpec(Layout.PAGE_UNIFIED, mha=_dims("page group layer kv token head dim"),
+               mla=_dims("page layer token dim"), row_alignment=16),
 )}
 
 

@@ -36,6 +36,8 @@ DESIGN_SHAPES = {
     (Kind.MLA, Layout.LAYER_FIRST): (L, S, 1, D),
     (Kind.MLA, Layout.PAGE_FIRST): (S, L, 1, D),
     (Kind.MLA, Layout.PAGE_FIRST_DIRECT): (S // P, L, P, 1, D),
+    (Kind.MHA, Layout.PAGE_UNIFIED): (S // P, 1, L, 2, P, H, D),  # head_group_num 1
+    (Kind.MLA, Layout.PAGE_UNIFIED): (S // P, L, P, D),
 }
 
 #: DESIGN.md section 3, "h lives at", as functions of (kv, layer, token, head).
@@ -44,7 +46,11 @@ DESIGN_PLACES = {
     Layout.PAGE_FIRST: lambda kv, ly, h, hd: (kv, h, ly, hd),
     Layout.PAGE_FIRST_DIRECT: lambda kv, ly, h, hd: (kv, h // P, ly, h % P, hd),
     Layout.PAGE_HEAD: lambda kv, ly, h, hd: (kv, h // P, hd, h % P, ly),
+    Layout.PAGE_UNIFIED: lambda kv, ly, h, hd: (h // P, 0, ly, kv, h % P, hd),
 }
+
+#: where an MLA place is not the MHA place without its kv index
+MLA_PLACES = {Layout.PAGE_UNIFIED: lambda ly, h: (h // P, ly, h % P)}
 
 
 def _geometry(kind: Kind, layout: Layout) -> Geometry:
@@ -78,7 +84,9 @@ def test_locate_is_the_design_place(kind: Kind, layout: Layout) -> None:
             for token in (0, 1, P - 1, P, S - 1):
                 for head in {0, heads - 1}:
                     want = DESIGN_PLACES[layout](kv, layer, token, head)
-                    if kind is Kind.MLA:  # no kv axis; the single head keeps its axis
+                    if kind is Kind.MLA and layout in MLA_PLACES:
+                        want = MLA_PLACES[layout](layer, token)
+                    elif kind is Kind.MLA:  # no kv axis; the single head keeps its axis
                         want = want[1:]
                     assert locate(g, kv, layer, token, head) == want
 
@@ -106,7 +114,8 @@ def test_canonical_view_refuses_a_wrong_shape() -> None:
 
 
 #: layouts whose pages (per K/V) are NOT one run: layer_first (layers outside pages)
-SPLIT_PAGES = {(Kind.MHA, Layout.LAYER_FIRST), (Kind.MLA, Layout.LAYER_FIRST)}
+SPLIT_PAGES = {(Kind.MHA, Layout.LAYER_FIRST), (Kind.MLA, Layout.LAYER_FIRST),
+               (Kind.MHA, Layout.PAGE_UNIFIED)}  # K and V interleave inside the page
 
 
 @pytest.mark.parametrize(("kind", "layout"), KIND_LAYOUTS)

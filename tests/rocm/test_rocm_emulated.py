@@ -441,3 +441,142 @@ def test_library_facts(emul) -> None:
     assert lib.abi_version() == 1
     assert lib.has_batched_memcpy() is True  # found by dladdr + dlsym, like libamdhip64's
     assert lib.error_string(1) == "invalid argument"
+
+
+# -- page_unified against the reference backend -------------------------------------------------
+#
+# page_unified's native strides cut an element into head-group chunks (chunk_stride = the
+# head group's stride), which kvio_device.h's kvio_copy_body addresses as
+#   host_base + kv*kv_stride + l*layer_stride + page*page_stride + off*token_stride
+#             + c*chunk_stride  <->  layer_ptr + d*elem_bytes + c*chunk_bytes
+# (kvio_cuda.cu's locate is the same formula). These run the real kernel bodies and compare
+# with kvio_reference's result on the same random data, destinations poisoned.
+
+UNIFIED_CASES = [  # kind, heads, head_dim, dtype, head_group_num
+    (Kind.MHA, 8, 8, torch.bfloat16, 1),
+    (Kind.MHA, 8, 8, torch.bfloat16, 2),
+    (Kind.MHA, 8, 8, torch.bfloat16, 4),
+    (Kind.MHA, 6, 4, torch.float16, 3),  # 16-byte chunks of 2 heads
+    (Kind.MHA, 4, 2, torch.float32, 2),  # 16-byte chunks of 2 heads of 8-byte items
+    (Kind.MLA, 1, 40, torch.bfloat16, 1),  # 80 B (page_unified rows are 16-byte multiples)
+]
+
+
+def _unified_id(c: tuple) -> str:
+    kind, h, d, dt, groups = c
+    return f"{kind.value}-h{h}d{d}g{groups}-{str(dt).removeprefix('torch.')}"
+
+
+def _unified_pools(case: tuple, gen: torch.Generator, poison_device: bool):
+    from kvcore.pools import DevicePool, HostPool
+
+    kind, heads, dim, dtype, groups = case
+    g = Geometry(kind=kind, layout=Layout.PAGE_UNIFIED, num_layers=3, size=48, head_num=heads,
+                 head_dim=dim, page_size=4, head_group_num=groups)
+    dev = DevicePool.allocate(kind, 3, 60, heads, dim, dtype, "cpu", 4)
+    for t in dev.all_buffers():
+        if poison_device:
+            t.view(torch.uint8).fill_(POISON)
+        else:
+            t.copy_(random_like(tuple(t.shape), dtype, gen))
+    buf = (torch.full(host_shape(g), 0, dtype=dtype) if not poison_device
+           else random_like(host_shape(g), dtype, gen))
+    if not poison_device:
+        buf.view(torch.uint8).fill_(POISON)
+    host = HostPool.wrap(buf, kind, Layout.PAGE_UNIFIED, 3, heads, dim, 4,
+                         head_group_num=groups)
+    return g, dev, host
+
+
+def _reference(op: str, dev, host, h: torch.Tensor, d: torch.Tensor,
+               layer: int | None = None) -> None:
+    from kvcore.registry import Registry, make_request
+
+    reg = Registry(environ={"KVCORE_PLUGINS": ""})
+    g = host.geometry
+    req = make_request(op, g.kind, g.layout, dev.dtype, dev.element_bytes, "cpu")
+    reg.resolve(req, "reference").transfer(dev, host, h, d, layer=layer)
+
+
+def _pool_bytes(dev) -> list[torch.Tensor]:
+    return [t.view(torch.uint8).clone() for t in dev.all_buffers()]
+
+
+@pytest.mark.parametrize("case", UNIFIED_CASES, ids=[_unified_id(c) for c in UNIFIED_CASES])
+@pytest.mark.parametrize("op", ["write_back", "load_all", "load_layer"])
+def test_page_unified_direct_equals_the_reference(emul, case, op) -> None:
+    lib, _ = emul
+    gen = torch.Generator().manual_seed(hash(_unified_id(case) + op) & 0xFFFF)
+    g, dev, host = _unified_pools(case, gen, poison_device=op != "write_back")
+    h = page_indices(g, [7, 2, 3, 10, 0], torch.int64)
+    d = torch.randperm(60, generator=gen)[:h.numel()]
+    ref_dev = dev.clone()
+    ref_host = _twin_host(host)
+    fields = layout_of(g, dev.dtype.itemsize)
+    if op == "write_back":
+        lib.transfer_direct(0, dev.k_ptrs.data_ptr(), _v(dev), 0, 3, host.buffer.data_ptr(),
+                            fields, h.data_ptr(), 1, d.data_ptr(), 1, h.numel(), 0)
+        _reference(op, ref_dev, ref_host, h, d)
+        assert torch.equal(host.buffer.view(torch.uint8), ref_host.buffer.view(torch.uint8))
+        return
+    layers = range(3) if op == "load_layer" else [None]
+    for layer in layers:
+        begin, count = (0, 3) if layer is None else (layer, 1)
+        lib.transfer_direct(1, dev.k_ptrs.data_ptr(), _v(dev), begin, count,
+                            host.buffer.data_ptr(), fields, h.data_ptr(), 1, d.data_ptr(), 1,
+                            h.numel(), 0)
+        _reference(op, ref_dev, host, h, d, layer=layer)
+    for got, want in zip(_pool_bytes(dev), _pool_bytes(ref_dev), strict=True):
+        assert torch.equal(got, want)
+    untouched = torch.ones(60, dtype=torch.bool)
+    untouched[d] = False
+    assert all(bool((t.view(torch.uint8)[untouched] == POISON).all()) for t in dev.all_buffers())
+
+
+def _twin_host(host):  # a pool over a copy of the buffer
+    from kvcore.pools import HostPool
+
+    g = host.geometry
+    return HostPool.wrap(host.buffer.clone(), g.kind, g.layout, g.num_layers, g.head_num,
+                         g.head_dim, g.page_size, head_group_num=g.head_group_num)
+
+
+def _v(dev) -> int:
+    return dev.v_ptrs.data_ptr() if dev.v_ptrs is not None else 0
+
+
+@pytest.mark.parametrize("direction", ["write_back", "load_all"])
+def test_page_unified_mla_staged_equals_the_reference(emul, direction) -> None:
+    """MLA page_unified pages are one run each, so the staged path takes them."""
+    lib, raw = emul
+    case = (Kind.MLA, 1, 40, torch.bfloat16, 1)
+    gen = torch.Generator().manual_seed(21)
+    g, dev, host = _unified_pools(case, gen, poison_device=direction == "load_all")
+    h = page_indices(g, [5, 6, 1, 9], torch.int64)
+    d = torch.randperm(60, generator=gen)[:h.numel()]
+    ref_dev, ref_host = dev.clone(), _twin_host(host)
+    staging = torch.full((1 << 14,), POISON, dtype=torch.uint8)
+    fn = lib.write_back_staged if direction == "write_back" else lib.load_all_staged
+    raw.kvio_emul_reset()
+    fn(dev.k_ptrs.data_ptr(), 0, 3, host.buffer.data_ptr(), layout_of(g, 2), h.data_ptr(),
+       d.data_ptr(), 1, h.numel(), staging.data_ptr(), staging.numel(), 1, 0)
+    _reference(direction, ref_dev, ref_host, h, d)
+    assert torch.equal(host.buffer.view(torch.uint8), ref_host.buffer.view(torch.uint8))
+    for got, want in zip(_pool_bytes(dev), _pool_bytes(ref_dev), strict=True):
+        assert torch.equal(got, want)
+    assert counters(raw)["bytes"] == 4 * 3 * 4 * 80  # whole pages copied, nothing else
+
+
+def test_page_unified_mha_pages_are_refused_by_the_staged_path(emul) -> None:
+    """K and V interleave inside an MHA page_unified page, so a page of K is not one run: the
+    library refuses the staged path, and kvcore does not declare it (native_ops)."""
+    lib, _ = emul
+    g, dev, host = _unified_pools((Kind.MHA, 8, 8, torch.bfloat16, 1),
+                                  torch.Generator().manual_seed(3), poison_device=False)
+    h = page_indices(g, [1], torch.int64)
+    d = torch.arange(4)
+    staging = torch.empty(1 << 14, dtype=torch.uint8)
+    with pytest.raises(KernelError, match=r"invalid argument"):
+        lib.write_back_staged(dev.k_ptrs.data_ptr(), _v(dev), 3, host.buffer.data_ptr(),
+                              layout_of(g, 2), h.data_ptr(), d.data_ptr(), 1, 4,
+                              staging.data_ptr(), staging.numel(), 1, 0)
