@@ -34,6 +34,11 @@ class TensorMismatch(InvalidArgument):
     """A tensor has the wrong dtype, device, shape, stride or alignment."""
 
 
+class InvalidGeometry(InvalidArgument):
+    """A host pool's sizes do not fit its layout (e.g. a head_group_num that does not divide
+    head_num, or a head group row off the layout's alignment); the message says what to use."""
+
+
 class InvalidIndices(InvalidArgument):
     """Index values are out of range, not page-aligned, duplicated or mismatched."""
 

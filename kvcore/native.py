@@ -18,7 +18,7 @@ import torch
 from kvcore.backend import TransferJob
 from kvcore.capabilities import HostMemory, IndexSpec, OpSupport, Residency, op_support
 from kvcore.errors import InvalidArgument, InvalidIndices
-from kvcore.layout import ByteStrides, Kind, Layout, Op
+from kvcore.layout import ByteStrides, Kind, Layout, Op, contiguous_page_layouts, layouts_for
 from kvcore.native_abi import (
     REPORT_BYTES,
     REPORT_DEVICE_EPOCH,
@@ -360,23 +360,29 @@ def native_ops(staging_bytes: int = DEFAULT_STAGING_BYTES,
     per layer with an event after each where they cannot run.
     """
     kinds = (Kind.MHA, Kind.MLA)
-    contiguous = (Layout.PAGE_FIRST, Layout.PAGE_FIRST_DIRECT, Layout.PAGE_HEAD)
+    # kinds grouped by the layouts whose pages (per K/V) are one run (kvcore.layout decides;
+    # a layout a kind does not have does not split the group)
+    contiguous: dict[frozenset[Layout], list[Kind]] = {}
+    for kind in kinds:
+        lays = set(contiguous_page_layouts(kind)) | (set(Layout) - set(layouts_for(kind)))
+        contiguous.setdefault(frozenset(lays), []).append(kind)
     common = {"element_alignment": element_alignment}
     on_cpu = IndexSpec(Residency.HOST, (torch.int64,))
     dma = (OpSupport(op=Op.LOAD_LAYER, kinds=frozenset(kinds),
                      layouts=frozenset(dma_load_layouts), host_index=on_cpu,
                      device_index=on_cpu, variant=NativeBackend.DMA, batched_memcpy=True,
                      min_page_bytes=dma_min_page_bytes, **common),) if dma_load_layouts else ()
-    staged: dict[str, Any] = {"kinds": frozenset(kinds), "layouts": frozenset(contiguous),
-                              "host_index": on_cpu, "device_index": IndexSpec(Residency.DEVICE),
+    staged: dict[str, Any] = {"host_index": on_cpu, "device_index": IndexSpec(Residency.DEVICE),
                               "variant": NativeBackend.STAGED, "staged": True,
                               "staging_bytes": staging_bytes, "batched_memcpy": True,
                               "contiguous_pages": True, "min_page_bytes": staged_min_page_bytes,
                               **common}
-    load_staged = (OpSupport(op=Op.LOAD_ALL, **staged),) if staged_load else ()
+    staged_ops = [OpSupport(op=op, kinds=frozenset(ks), layouts=lays, **staged)
+                  for op in (Op.WRITE_BACK, Op.LOAD_ALL) for lays, ks in contiguous.items()]
+    load_staged = tuple(s for s in staged_ops if s.op is Op.LOAD_ALL) if staged_load else ()
     return (
         *dma,
-        OpSupport(op=Op.WRITE_BACK, **staged),
+        *(s for s in staged_ops if s.op is Op.WRITE_BACK),
         op_support(Op.WRITE_BACK, kinds, tuple(Layout), Residency.DEVICE, Residency.DEVICE,
                    variant="direct", **common),
         op_support(Op.LOAD_LAYER, kinds, tuple(Layout), Residency.DEVICE, Residency.DEVICE,

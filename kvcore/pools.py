@@ -11,7 +11,17 @@ import torch
 
 from kvcore.capabilities import HostMemory
 from kvcore.errors import AllocatorError, InvalidArgument, TensorMismatch
-from kvcore.layout import ByteStrides, Geometry, Kind, Layout, byte_strides, host_shape, parse_enum
+from kvcore.layout import (
+    ByteStrides,
+    Geometry,
+    Kind,
+    Layout,
+    byte_runs,
+    byte_strides,
+    host_shape,
+    parse_enum,
+    size_from_shape,
+)
 from kvcore.validate import check_index_tensor, check_pages, describe_tensor
 
 
@@ -230,21 +240,24 @@ class HostPool:
     @classmethod
     def wrap(cls, buffer: torch.Tensor, kind: Kind | str, layout: Layout | str,
              num_layers: int, head_num: int, head_dim: int, page_size: int,
-             memory: HostMemory | None = None) -> HostPool:
+             memory: HostMemory | None = None, head_group_num: int = 1) -> HostPool:
         """Adopt an existing host buffer (its size is read from its shape)."""
         k = parse_enum(Kind, kind, "kind")
         lay = parse_enum(Layout, layout, "layout")
-        size = _size_from_shape(tuple(buffer.shape), k, lay, page_size)  # type: ignore[arg-type]
-        g = Geometry(k, lay, num_layers, size, head_num, head_dim, page_size)  # type: ignore[arg-type]
+        size = size_from_shape(tuple(buffer.shape), k, lay, page_size)  # type: ignore[arg-type]
+        g = Geometry(k, lay, num_layers, size, head_num, head_dim, page_size,  # type: ignore[arg-type]
+                     head_group_num)
         if memory is None:
             memory = HostMemory.PINNED if buffer.is_pinned() else HostMemory.PLAIN
         return cls(g, buffer, memory)
 
 
-def _size_from_shape(shape: tuple[int, ...], kind: Kind, layout: Layout, page_size: int) -> int:
-    body = shape[1:] if kind is Kind.MHA else shape
-    if layout is Layout.LAYER_FIRST:
-        return body[1]
-    if layout is Layout.PAGE_FIRST:
-        return body[0]
-    return body[0] * page_size
+    def byte_runs(self, pages: Sequence[int] | torch.Tensor, head_group: int | None = None,
+                  layers: range | None = None) -> list[tuple[int, int]]:
+        """The contiguous ``(address, length)`` byte runs of the given host pages (or of one
+        head group's layer range of them), page after page: what an L3 store registers and
+        moves. See :func:`kvcore.layout.byte_runs`."""
+        base = self.buffer.data_ptr()
+        listed = pages.tolist() if isinstance(pages, torch.Tensor) else pages
+        return [(base + off, n) for off, n in byte_runs(self.geometry, self.dtype.itemsize,
+                                                        listed, head_group, layers)]

@@ -49,7 +49,16 @@ from kvcore.errors import (
     NoBackend,
     PluginLoadError,
 )
-from kvcore.layout import Geometry, Kind, Layout, Op, check_combination, host_shape, parse_enum
+from kvcore.layout import (
+    Geometry,
+    Kind,
+    Layout,
+    Op,
+    byte_strides,
+    check_combination,
+    host_shape,
+    parse_enum,
+)
 from kvcore.plan import TransferPlan, TransferRequest
 from kvcore.pools import HostPool
 from kvcore.streams import resolve_device
@@ -337,13 +346,15 @@ def reset_default_registry() -> None:
 def allocate_host_pool(kind: Kind | str, layout: Layout | str, num_layers: int, size: int,
                        head_num: int, head_dim: int, dtype: torch.dtype, page_size: int,
                        device: torch.device | str, backend: str | None = None,
-                       registry: Registry | None = None) -> HostPool:
+                       registry: Registry | None = None, head_group_num: int = 1) -> HostPool:
     """A new host pool whose buffer comes from the backend that write-back on ``device``
     resolves to (``backend`` forces one): memory its kernels can dereference, pinned where
     the platform has it, plain on the CPU. The allocator is the backend's choice."""
     k = parse_enum(Kind, kind, "kind")
     lay = parse_enum(Layout, layout, "layout")
-    g = Geometry(k, lay, num_layers, size, head_num, head_dim, page_size)  # type: ignore[arg-type]
+    g = Geometry(k, lay, num_layers, size, head_num, head_dim, page_size,  # type: ignore[arg-type]
+                 head_group_num)
+    byte_strides(g, dtype.itemsize)  # refuses what this dtype cannot lay out, before allocating
     req = make_request(Op.WRITE_BACK, k, lay, dtype, head_num * head_dim * dtype.itemsize,
                        device)
     plan = (registry or default_registry()).resolve(req, backend)

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+import attrs
 import torch
 
 from kvcore.errors import TransferFailed
@@ -76,8 +77,7 @@ def verify_plans(pairs: Sequence[tuple[DevicePool, HostPool]],
         if all(p.backend_name == REFERENCE for p in plans.values()):
             continue
         g = m_host.geometry
-        small = Geometry(g.kind, g.layout, g.num_layers, 2 * g.page_size, g.head_num,
-                         g.head_dim, g.page_size)
+        small = attrs.evolve(g, size=2 * g.page_size)
         dev = _scratch_device(m_device, g, gen)
         host_buf, memory = plans[Op.WRITE_BACK].instance().allocate_host(host_shape(small),
                                                                           m_device.dtype)

@@ -94,7 +94,7 @@ def _case(facts: dict[str, Any]) -> Case:
     return Case(parse_enum(Op, facts["op"], "op"), parse_enum(Kind, facts["kind"], "kind"),
                 parse_enum(Layout, facts["layout"], "layout"), parse_dtype(facts["dtype"]),
                 facts["page_size"], facts["batch_pages"], facts["total_pages"],
-                facts["num_layers"], facts["element_dim"])
+                facts["num_layers"], facts["element_dim"], facts.get("head_group_num", 1))
 
 
 def _row(facts: dict[str, Any]) -> Row:

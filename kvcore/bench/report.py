@@ -40,7 +40,8 @@ def table_rows(rows: Sequence[Row], latency: bool = False) -> tuple[list[str], l
     for r in rows:
         c = r.case
         t = r.timing
-        line = [r.backend, c.op.value, c.kind.value, c.layout.value,
+        layout = c.layout.value + (f" g{c.head_group_num}" if c.head_group_num > 1 else "")
+        line = [r.backend, c.op.value, c.kind.value, layout,
                 str(c.dtype).removeprefix("torch."), str(c.page_size), str(c.batch_pages),
                 str(c.num_layers), str(c.element_dim), _num(c.bytes_moved / MIB, 3),
                 _num(t.median_ms if t else None, 3), _num(t.spread_pct if t else None, 0),

@@ -364,7 +364,8 @@ class Bench:
                                   case.head_dim, case.dtype, self.device, case.page_size)
         host = allocate_host_pool(case.kind, case.layout, case.num_layers, case.pool_tokens,
                                  case.head_num, case.head_dim, case.dtype, case.page_size,
-                                 self.device, backend=backend, registry=self.registry)
+                                 self.device, backend=backend, registry=self.registry,
+                                 head_group_num=case.head_group_num)
         return dev, host
 
 

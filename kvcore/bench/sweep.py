@@ -13,7 +13,7 @@ import attrs
 import torch
 
 from kvcore.errors import InvalidArgument
-from kvcore.layout import Kind, Layout, Op, parse_enum
+from kvcore.layout import Kind, Layout, Op, head_group_options, layouts_for, parse_enum
 from kvcore.plan import dtype_name
 
 #: head_dim of an MHA case whose element_dim is a multiple of it (else one head of element_dim)
@@ -33,9 +33,11 @@ class Case:
     total_pages: int
     num_layers: int
     element_dim: int
+    head_group_num: int = 1  # head groups of the host pool (layouts that split heads)
 
     def __attrs_post_init__(self) -> None:
-        for name in ("page_size", "batch_pages", "total_pages", "num_layers", "element_dim"):
+        for name in ("page_size", "batch_pages", "total_pages", "num_layers", "element_dim",
+                     "head_group_num"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise InvalidArgument(name, "a positive int", repr(value))
@@ -93,7 +95,7 @@ class Case:
         """The case's identity without the backend (rows of one key compare side by side)."""
         return (self.op.value, self.kind.value, self.layout.value, dtype_name(self.dtype),
                 self.page_size, self.batch_pages, self.total_pages, self.num_layers,
-                self.element_dim)
+                self.element_dim, self.head_group_num)
 
     def pool_key(self) -> tuple[object, ...]:
         """The pools' geometry: cases with equal pool keys can share pools."""
@@ -106,6 +108,7 @@ class Case:
                 "batch_pages": self.batch_pages, "total_pages": self.total_pages,
                 "num_layers": self.num_layers, "element_dim": self.element_dim,
                 "head_num": self.head_num, "head_dim": self.head_dim,
+                "head_group_num": self.head_group_num,
                 "element_bytes": self.element_bytes, "bytes": self.bytes_moved}
 
 
@@ -128,6 +131,7 @@ class Sweep:
     total_pages: tuple[int, ...]
     num_layers: tuple[int, ...]
     element_dims: tuple[int, ...]
+    head_group_nums: tuple[int, ...] = (1,)
 
 
 ALL_OPS = (Op.WRITE_BACK, Op.LOAD_LAYER, Op.LOAD_ALL)
@@ -138,8 +142,10 @@ PRESETS: dict[str, Sweep] = {
                      layouts=(Layout.LAYER_FIRST, Layout.PAGE_FIRST), dtypes=(torch.bfloat16,),
                      page_sizes=(16,), batch_pages=(16,), total_pages=(32,),
                      num_layers=(4, 32), element_dims=(256, 1024)),
-    # the seed table: bf16, 64-token pages, batches of 64 of 128 pages, 16..80 layers
-    "seed": Sweep(ops=ALL_OPS, kinds=(Kind.MHA, Kind.MLA), layouts=(Layout.PAGE_FIRST,),
+    # the seed table: bf16, 64-token pages, batches of 64 of 128 pages, 16..80 layers; page_first
+    # and SGLang 0.5.23's page_unified (one head group; --layout page_unified for its rows)
+    "seed": Sweep(ops=ALL_OPS, kinds=(Kind.MHA, Kind.MLA),
+                  layouts=(Layout.PAGE_FIRST, Layout.PAGE_UNIFIED),
                   dtypes=(torch.bfloat16,), page_sizes=(64,), batch_pages=(64,),
                   total_pages=(128,), num_layers=tuple(range(16, 81, 8)),
                   element_dims=(256, 512, 1024, 2048)),
@@ -152,18 +158,23 @@ PRESETS: dict[str, Sweep] = {
 
 
 def expand(sweep: Sweep) -> list[Case]:
-    """Every case of the sweep, skipping (kind, layout) pairs that do not exist.
+    """Every case of the sweep, skipping (kind, layout) pairs that do not exist and head group
+    counts the layout does not take for the element (kvcore.layout.head_group_options).
 
     The op varies fastest, so the cases of one pool geometry are consecutive and the runner
     can reuse that geometry's pools for every op.
     """
     cases = []
-    for kind, layout, dtype, ps, bp, tp, nl, ed, op in itertools.product(
+    for kind, layout, dtype, ps, bp, tp, nl, ed, groups, op in itertools.product(
             sweep.kinds, sweep.layouts, sweep.dtypes, sweep.page_sizes, sweep.batch_pages,
-            sweep.total_pages, sweep.num_layers, sweep.element_dims, sweep.ops):
-        if kind is Kind.MLA and layout is Layout.PAGE_HEAD:
+            sweep.total_pages, sweep.num_layers, sweep.element_dims, sweep.head_group_nums,
+            sweep.ops):
+        if layout not in layouts_for(kind):
             continue
-        cases.append(Case(op, kind, layout, dtype, ps, bp, tp, nl, ed))
+        case = Case(op, kind, layout, dtype, ps, bp, tp, nl, ed, groups)
+        if groups in head_group_options(kind, layout, case.head_num, case.head_dim,
+                                        dtype.itemsize):
+            cases.append(case)
     return cases
 
 

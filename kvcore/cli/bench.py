@@ -24,7 +24,8 @@ from kvcore.streams import has_streams
 #: option -> Sweep field it overrides
 AXES = {"op": "ops", "kind": "kinds", "layout": "layouts", "dtype": "dtypes",
         "page_size": "page_sizes", "batch_pages": "batch_pages", "total_pages": "total_pages",
-        "num_layers": "num_layers", "element_dim": "element_dims"}
+        "num_layers": "num_layers", "element_dim": "element_dims",
+        "head_group_num": "head_group_nums"}
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:

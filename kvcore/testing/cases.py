@@ -16,7 +16,7 @@ import attrs
 import torch
 
 from kvcore.capabilities import Capabilities, OpSupport
-from kvcore.layout import Kind, Layout, Op, layouts_for
+from kvcore.layout import Kind, Layout, Op, head_group_options, layouts_for
 from kvcore.plan import dtype_name
 
 #: element sizes (bytes of one token of one layer of K or V) the suite sweeps; 72 B is run
@@ -91,6 +91,7 @@ class Case:
     bad: str | None = None  # the bad input of the bad_input family
     then: Op | None = None  # the load of a round trip
     unclaimed: str | None = None  # why the backend does not claim this case
+    head_group_num: int = 1  # head groups of the host pool (layouts that split heads)
 
     @property
     def element_bytes(self) -> int:
@@ -110,6 +111,7 @@ class Case:
             parts.append(self.bad)
         else:
             parts += [f"p{self.n_pages}", f"e{self.element_bytes}", f"L{self.num_layers}",
+                      *([f"g{self.head_group_num}"] if self.head_group_num > 1 else []),
                       dtype_name(self.dtype), f"h{dtype_name(self.host_index_dtype)[3:]}",
                       f"d{dtype_name(self.device_index_dtype)[3:]}", self.order]
             if self.swapped:
@@ -127,7 +129,8 @@ class Case:
                 + f" kind={self.kind.value} layout={self.layout.value} variant={self.variant}"
                 f" dtype={dtype_name(self.dtype)} page_size={self.page_size}"
                 f" n_pages={self.n_pages} num_layers={self.num_layers} heads={self.head_num}"
-                f" head_dim={self.head_dim} element_bytes={self.element_bytes}"
+                f" head_dim={self.head_dim} head_group_num={self.head_group_num}"
+                f" element_bytes={self.element_bytes}"
                 f" host_index={dtype_name(self.host_index_dtype)}"
                 f" device_index={dtype_name(self.device_index_dtype)} order={self.order}"
                 f" swapped={self.swapped} seed={self.seed}")
@@ -204,7 +207,27 @@ def generate(family: str, caps: Capabilities, profile: Profile) -> list[Case]:
     """The cases of ``family`` for a backend declaring ``caps``, sized by ``profile``."""
     makers = {"pages": _pages, "elements": _elements, "dtypes": _dtypes,
               "bad_input": _bad_inputs, "round_trip": _round_trips, "random": _random_rows}
-    return list(makers[family](caps, profile))
+    return [c for case in makers[family](caps, profile) for c in _with_head_groups(case)]
+
+
+#: the most head groups a case is split into (where its layout splits heads)
+MAX_HEAD_GROUPS = 4
+
+
+def _with_head_groups(case: Case) -> Iterator[Case]:
+    """``case``, and where its layout splits heads into groups, the same case with the most
+    head groups (up to MAX_HEAD_GROUPS) its element allows: one chunk per group then."""
+    options = head_group_options(case.kind, case.layout, case.head_num, case.head_dim,
+                                 case.dtype.itemsize)
+    if 1 not in options:  # the layout refuses this element (its row alignment)
+        yield attrs.evolve(case, unclaimed=case.unclaimed or (
+            f"not applicable: {case.layout.value} refuses elements of {case.element_bytes} B "
+            f"(see kvcore.layout.check_row_alignment)"))
+        return
+    yield case
+    grouped = [n for n in options if 1 < n <= MAX_HEAD_GROUPS]
+    if grouped:
+        yield attrs.evolve(case, head_group_num=grouped[-1])
 
 
 def _base(family: str, op: Op, kind: Kind, layout: Layout, variant: str, layers: int,

@@ -139,7 +139,7 @@ def _corrupt_destination(job: TransferJob) -> None:
         g = job.host_geometry
         h = int(job.host_indices[0])
         target = canonical_view(job.host_buffer, g)[0, layer, h // g.page_size,
-                                                    h % g.page_size, 0, 0:1]
+                                                    h % g.page_size, 0, 0, 0:1]
     else:
         target = job.device_pool.layers(0)[layer][int(job.device_indices[0]), 0, 0:1]
     target.view(torch.uint8).bitwise_xor_(0xFF)

@@ -23,7 +23,7 @@ from kvcore.errors import (
     KVCoreError,
     TensorMismatch,
 )
-from kvcore.layout import Geometry, Kind, Op, canonical_view, host_shape
+from kvcore.layout import Geometry, Kind, Op, canonical_view, host_shape, split_heads
 from kvcore.plan import TransferPlan
 from kvcore.pools import DevicePool, HostPool
 from kvcore.registry import Registry, make_request
@@ -111,7 +111,7 @@ def build(env: Env, case: Case, backend: str | None = None,
     for t in dev.all_buffers():
         random_fill(t, gen)
     g = Geometry(case.kind, case.layout, case.num_layers, total * p, case.head_num,
-                 case.head_dim, p)
+                 case.head_dim, p, case.head_group_num)
     host = allocate_host(env, backend or env.backend, g, case.dtype)
     random_fill(host.buffer, gen)  # the sentinel: every byte is checked afterwards
     h = tokens(_pages(n, total, case.order, gen), p)
@@ -187,8 +187,9 @@ def _host_written(rig: Rig, layers: range) -> torch.Tensor:
 
 
 def _describe_host(rig: Rig, where: tuple[int, ...]) -> str:
-    kv, layer, page, tok, head, dim = where
+    kv, layer, page, tok, group, head_in, dim = where
     token = page * rig.case.page_size + tok
+    head = group * rig.geometry.heads_per_group + head_in
     name = ("K", "V")[kv] if rig.case.kind is Kind.MHA else "latent"
     return f"{name} layer {layer} host token {token} (page {page}, slot {tok}) head {head} " \
            f"item {dim}"
@@ -199,11 +200,11 @@ def check_host(env: Env, rig: Rig, after: torch.Tensor, oracle: torch.Tensor | N
     """Host bytes: untouched outside the written slots; equal to ``oracle`` everywhere."""
     g = rig.geometry
     changed = canonical_view(element_neq(after, rig.host_before), g)
-    written = _host_written(rig, layers)[..., None, None]
+    written = _host_written(rig, layers)[..., None, None, None]
     outside = changed & ~written
     if outside.any():
         where = tuple(int(x) for x in torch.nonzero(outside)[0])
-        count = int(outside.flatten(0, 3).any(-1).any(-1).sum())
+        count = int(outside.flatten(4).any(-1).sum())
         raise fail(env, rig.case, rig,
                    f"{what} wrote outside its destination (untouched-neighbour check): "
                    f"{_describe_host(rig, where)} changed although that slot is not in "
@@ -359,7 +360,7 @@ def _expected_host(rig: Rig) -> torch.Tensor:
     for kv in range(g.kv_count):
         src = torch.stack([t[rig.device_indices.to(t.device)].cpu()
                            for t in rig.device_pool.layers(kv)])
-        view[kv, :, page, off] = src
+        view[kv, :, page, off] = split_heads(src, g)
     return out
 
 

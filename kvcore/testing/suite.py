@@ -23,7 +23,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvcore.layout import Kind
+from kvcore.layout import Kind, head_group_options
 from kvcore.testing import harness
 from kvcore.testing.cases import Case, Profile
 from kvcore.testing.harness import Env
@@ -95,11 +95,14 @@ class TestRandomised:
 
 
 def _head_splits(case: Case) -> list[tuple[int, int]]:
-    """(heads, head_dim) pairs with the case's element size (one head for MLA)."""
+    """(heads, head_dim) pairs with the case's element size (one head for MLA) that its
+    layout allows with the case's head_group_num."""
     if case.kind is Kind.MLA:
         return [(1, case.head_dim)]
     items = case.head_num * case.head_dim
-    return [(h, items // h) for h in (1, 2, 4, 8) if items % h == 0 and items // h >= 8]
+    return [(h, items // h) for h in (1, 2, 4, 8) if items % h == 0 and items // h >= 8
+            and case.head_group_num in head_group_options(case.kind, case.layout, h,
+                                                          items // h, case.dtype.itemsize)]
 
 
 @pytest.mark.kvio("allocator")

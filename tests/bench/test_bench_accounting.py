@@ -104,6 +104,8 @@ def test_expand_and_override() -> None:
     assert {c.layout for c in cases} == {Layout.PAGE_FIRST}  # MLA has no page_head
     assert [c.element_dim for c in cases] == [256, 512, 1024, 2048]
     seed = expand(PRESETS["seed"])
+    assert {(c.kind, c.layout) for c in seed} == {
+        (k, lay) for k in (Kind.MHA, Kind.MLA) for lay in (Layout.PAGE_FIRST, Layout.PAGE_UNIFIED)}
     assert {c.num_layers for c in seed} == set(range(16, 81, 8))
     assert {(c.page_size, c.batch_pages, c.total_pages) for c in seed} == {(64, 64, 128)}
     with pytest.raises(InvalidArgument):

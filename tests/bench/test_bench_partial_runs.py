@@ -206,3 +206,36 @@ def test_merge_names_the_missing_cases_of_a_file_that_only_counted_them(
     cut.write_text(json.dumps(older))
     assert main(["bench", "--merge", str(cut), str(whole), "--quiet", "--json", str(out)]) == 1
     assert json.loads(out.read_text())["not_run"] == 3
+
+
+def test_page_unified_rows_with_head_groups_run_validate_and_merge(tmp_path: Path) -> None:
+    """`kvio bench --layout page_unified --head-group-num 1,2,4`: one case per head group count
+    the element allows (256 = 2 heads of 128: 1 and 2), in the JSON and back through merge."""
+    from kvcore.bench.sweep import PRESETS, expand, override
+
+    sweep = override(PRESETS["seed"], layouts=["page_unified"], head_group_nums=["1", "2", "4"],
+                     kinds=["mha", "mla"], element_dims=["256"], num_layers=["16"])
+    assert sorted({(c.kind.value, c.head_group_num) for c in expand(sweep)}) == [
+        ("mha", 1), ("mha", 2), ("mla", 1)]
+    out = tmp_path / "unified.json"
+    small = [{"page_first": "page_unified", "128": "256"}.get(a, a) for a in SMALL]
+    assert main(["bench", *small, "--head-group-num", "1,2", "--kind", "mha", "--op",
+                 "write_back,load_layer", "--num-layers", "2", "--quiet", "--json",
+                 str(out)]) == 0
+    doc = json.loads(out.read_text())
+    validate(doc)
+    assert sorted((r["layout"], r["head_group_num"], r["status"]) for r in doc["rows"]) == [
+        ("page_unified", 1, "ok"), ("page_unified", 1, "ok"),
+        ("page_unified", 2, "ok"), ("page_unified", 2, "ok")]
+    merged = merge([load(out)[0]])
+    assert sorted(r.case.head_group_num for r in merged.rows) == [1, 1, 2, 2]
+    assert "page_unified g2" in report.text_table(merged)
+
+
+def test_the_schema_names_every_layout() -> None:
+    """The JSON schema lists layout names; a new layout record needs its name there too."""
+    from kvcore.layout import Layout
+
+    defs = report.schema()["$defs"]
+    for where in ("case", "row"):
+        assert defs[where]["properties"]["layout"]["enum"] == [lay.value for lay in Layout]

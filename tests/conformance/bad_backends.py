@@ -42,7 +42,7 @@ class FlippedByte(_Delegate):
             g = job.host_geometry
             h = int(job.host_indices[0])
             item = canonical_view(job.host_buffer, g)[0, layer, h // g.page_size,
-                                                      h % g.page_size, 0, 0]
+                                                      h % g.page_size, 0, 0, 0]
         else:
             item = job.device_pool.layers(0)[layer][int(job.device_indices[0]), 0, 0]
         item.view(1).view(torch.uint8)[0] ^= 1

@@ -20,6 +20,7 @@ from kvcore.layout import (
     layouts_for,
     locate,
     page_contiguous,
+    spec,
 )
 
 from .helpers import KIND_LAYOUTS
@@ -35,6 +36,8 @@ DESIGN_SHAPES = {
     (Kind.MLA, Layout.LAYER_FIRST): (L, S, 1, D),
     (Kind.MLA, Layout.PAGE_FIRST): (S, L, 1, D),
     (Kind.MLA, Layout.PAGE_FIRST_DIRECT): (S // P, L, P, 1, D),
+    (Kind.MHA, Layout.PAGE_UNIFIED): (S // P, 1, L, 2, P, H, D),  # head_group_num 1
+    (Kind.MLA, Layout.PAGE_UNIFIED): (S // P, L, P, D),
 }
 
 #: DESIGN.md section 3, "h lives at", as functions of (kv, layer, token, head).
@@ -43,7 +46,11 @@ DESIGN_PLACES = {
     Layout.PAGE_FIRST: lambda kv, ly, h, hd: (kv, h, ly, hd),
     Layout.PAGE_FIRST_DIRECT: lambda kv, ly, h, hd: (kv, h // P, ly, h % P, hd),
     Layout.PAGE_HEAD: lambda kv, ly, h, hd: (kv, h // P, hd, h % P, ly),
+    Layout.PAGE_UNIFIED: lambda kv, ly, h, hd: (h // P, 0, ly, kv, h % P, hd),
 }
+
+#: where an MLA place is not the MHA place without its kv index
+MLA_PLACES = {Layout.PAGE_UNIFIED: lambda ly, h: (h // P, ly, h % P)}
 
 
 def _geometry(kind: Kind, layout: Layout) -> Geometry:
@@ -77,7 +84,9 @@ def test_locate_is_the_design_place(kind: Kind, layout: Layout) -> None:
             for token in (0, 1, P - 1, P, S - 1):
                 for head in {0, heads - 1}:
                     want = DESIGN_PLACES[layout](kv, layer, token, head)
-                    if kind is Kind.MLA:  # no kv axis; the single head keeps its axis
+                    if kind is Kind.MLA and layout in MLA_PLACES:
+                        want = MLA_PLACES[layout](layer, token)
+                    elif kind is Kind.MLA:  # no kv axis; the single head keeps its axis
                         want = want[1:]
                     assert locate(g, kv, layer, token, head) == want
 
@@ -104,12 +113,18 @@ def test_canonical_view_refuses_a_wrong_shape() -> None:
         canonical_view(torch.empty(2, L, S, H, D), g)
 
 
+#: layouts whose pages (per K/V) are NOT one run: layer_first (layers outside pages)
+SPLIT_PAGES = {(Kind.MHA, Layout.LAYER_FIRST), (Kind.MLA, Layout.LAYER_FIRST),
+               (Kind.MHA, Layout.PAGE_UNIFIED)}  # K and V interleave inside the page
+
+
 @pytest.mark.parametrize(("kind", "layout"), KIND_LAYOUTS)
 def test_page_contiguous_matches_the_layout(kind: Kind, layout: Layout) -> None:
     g = _geometry(kind, layout)
-    assert page_contiguous(g) == (layout is not Layout.LAYER_FIRST)
+    assert page_contiguous(g) == ((kind, layout) not in SPLIT_PAGES)
     one_layer = Geometry(kind, layout, 1, S, g.head_num, D, P)
-    assert page_contiguous(one_layer)
+    assert page_contiguous(one_layer) == (layout is Layout.LAYER_FIRST
+                                          or (kind, layout) not in SPLIT_PAGES)
 
 
 # -- property tests --------------------------------------------------------------------------
@@ -119,10 +134,22 @@ def test_page_contiguous_matches_the_layout(kind: Kind, layout: Layout) -> None:
 def geometries(draw: st.DrawFn) -> Geometry:
     kind, layout = draw(st.sampled_from(KIND_LAYOUTS))
     page_size = draw(st.integers(1, 6))
+    heads = 1 if kind is Kind.MLA else draw(st.integers(1, 4))
+    groups = 1
+    if spec(layout).has_head_groups(kind):
+        groups = draw(st.sampled_from([n for n in range(1, heads + 1) if heads % n == 0]))
     return Geometry(kind, layout, num_layers=draw(st.integers(1, 4)),
-                    size=page_size * draw(st.integers(1, 5)),
-                    head_num=1 if kind is Kind.MLA else draw(st.integers(1, 4)),
-                    head_dim=draw(st.integers(1, 9)), page_size=page_size)
+                    size=page_size * draw(st.integers(1, 5)), head_num=heads,
+                    head_dim=draw(st.integers(1, 9)), page_size=page_size,
+                    head_group_num=groups)
+
+
+def _at(view: torch.Tensor, g: Geometry, kv: int, layer: int, token: int,
+        head: int) -> torch.Tensor:
+    """The canonical view's head_dim items of (kv, layer, token, head)."""
+    page, off = divmod(token, g.page_size)
+    group, head_in = divmod(head, g.heads_per_group)
+    return view[kv, layer, page, off, group, head_in]
 
 
 @st.composite
@@ -143,7 +170,7 @@ def test_locate_agrees_with_canonical_view(case: tuple) -> None:
     g, kv, layer, token, head = case
     buf = _numbered(g)
     at = buf[locate(g, kv, layer, token, head)]
-    via_view = canonical_view(buf, g)[kv, layer, token // g.page_size, token % g.page_size, head]
+    via_view = _at(canonical_view(buf, g), g, kv, layer, token, head)
     assert at.shape == (g.head_dim,)
     assert at.data_ptr() == via_view.data_ptr()
     assert torch.equal(at, via_view)
@@ -154,13 +181,12 @@ def test_locate_agrees_with_canonical_view(case: tuple) -> None:
 def test_byte_strides_address_the_located_element(case: tuple, dtype: torch.dtype) -> None:
     g, kv, layer, token, head = case
     itemsize = dtype.itemsize
+    assume(g.heads_per_group * g.head_dim * itemsize % spec(g.layout).row_alignment == 0)
     buf = torch.empty(host_shape(g), dtype=dtype)
     s = byte_strides(g, itemsize)
     page, off = divmod(token, g.page_size)
-    if s.num_chunks == 1:  # all heads of a token are one run
-        head_offset = head * g.head_dim * itemsize
-    else:
-        head_offset = head * s.chunk_stride
+    chunk, in_chunk = divmod(head * g.head_dim * itemsize, s.chunk_bytes)
+    head_offset = chunk * s.chunk_stride + in_chunk  # a chunk: all heads, a group or a head
     offset = (kv * s.kv_stride + layer * s.layer_stride + page * s.page_stride
               + off * s.token_stride + head_offset)
     element = buf[locate(g, kv, layer, token, head)]
@@ -175,8 +201,8 @@ def test_byte_strides_address_the_located_element(case: tuple, dtype: torch.dtyp
 def test_canonical_view_is_a_bijection_onto_the_buffer(g: Geometry) -> None:
     buf = _numbered(g)
     view = canonical_view(buf, g)
-    assert view.shape == (g.kv_count, g.num_layers, g.num_pages, g.page_size, g.head_num,
-                          g.head_dim)
+    assert view.shape == (g.kv_count, g.num_layers, g.num_pages, g.page_size,
+                          g.head_group_num, g.heads_per_group, g.head_dim)
     assert view.data_ptr() == buf.data_ptr()
     assert torch.equal(view.flatten().sort().values, buf.flatten())
 
@@ -209,6 +235,5 @@ def test_writing_through_the_view_writes_the_located_bytes(g: Geometry) -> None:
         for layer in range(g.num_layers):
             for token in range(g.size):
                 for head in range(g.head_num):
-                    page, off = divmod(token, g.page_size)
                     assert torch.equal(buf[locate(g, kv, layer, token, head)],
-                                       view[kv, layer, page, off, head])
+                                       _at(view, g, kv, layer, token, head))

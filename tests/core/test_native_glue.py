@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from kvcore.layout import Op
+from kvcore.layout import Kind, Layout, Op
 from kvcore.native import (
     DEVICE_TO_HOST,
     HOST_TO_DEVICE,
@@ -71,7 +71,7 @@ def _setup(layout: str, signals: bool = True,
 
 
 def _shape(layout: str) -> tuple[int, ...]:
-    from kvcore.layout import Geometry, Kind, Layout, host_shape
+    from kvcore.layout import Geometry, host_shape
 
     return host_shape(Geometry(Kind.MHA, Layout(layout), 3, 64, 2, 64, 16))
 
@@ -152,10 +152,16 @@ def test_the_staged_load_is_opt_in_and_declared_before_the_direct_one() -> None:
     assert [s.variant for s in native_ops() if s.op is Op.LOAD_ALL] == ["direct"]
     ops = native_ops(staged_load=True, staging_bytes=1 << 24)
     loads = [s for s in ops if s.op is Op.LOAD_ALL]
-    assert [s.variant for s in loads] == ["staged", "direct"]
+    # one staged variant per group of kinds with the same contiguous-page layouts (page_unified
+    # pages are one run of K/V for MLA only: K and V interleave inside an MHA page)
+    assert [s.variant for s in loads] == ["staged", "staged", "direct"]
+    by_kind = {k: s.layouts for s in loads[:2] for k in s.kinds}
+    assert Layout.PAGE_UNIFIED in by_kind[Kind.MLA]
+    assert Layout.PAGE_UNIFIED not in by_kind[Kind.MHA]
+    assert Layout.LAYER_FIRST not in by_kind[Kind.MHA] | by_kind[Kind.MLA]
     staged = loads[0]
-    write_back = next(s for s in ops if s.op is Op.WRITE_BACK and s.variant == "staged")
-    assert staged.layouts == write_back.layouts
+    write_back = [s for s in ops if s.op is Op.WRITE_BACK and s.variant == "staged"]
+    assert [s.layouts for s in write_back] == [s.layouts for s in loads[:2]]
     assert staged.host_index.residency is Residency.HOST
     assert staged.device_index.residency is Residency.DEVICE
     assert staged.staged and staged.contiguous_pages and staged.batched_memcpy
@@ -174,7 +180,7 @@ def _kvio_cuda_plan(op: Op, layout: Any, element_bytes: int) -> Any:
     return TransferPlan(request=req, backend_name="cuda", backend_version="0",
                         host_memory=HostMemory.PINNED,
                         variants=tuple(s for s in kvio_cuda.CAPABILITIES.ops
-                                       if s.op is op and layout in s.layouts),
+                                       if s.covers(op, Kind.MHA, layout)),
                         instance=lambda: None)
 
 
@@ -183,6 +189,7 @@ def test_kvio_cuda_stages_all_layer_loads_of_contiguous_pages_of_64_kib_and_more
 
     for layout in Layout:
         plan = _kvio_cuda_plan(Op.LOAD_ALL, layout, 1152)
+        # (MHA page_unified pages interleave K and V: not one run per K/V, so direct)
         contiguous = layout in (Layout.PAGE_FIRST, Layout.PAGE_FIRST_DIRECT, Layout.PAGE_HEAD)
         assert plan.select(64 << 10).variant == ("staged" if contiguous else "direct"), layout
         assert plan.select((64 << 10) - 16).variant == "direct", layout

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from kvcore.controller import HiCacheController
 from kvcore.errors import KVCoreError
-from kvcore.layout import Kind, layouts_for
+from kvcore.layout import Kind, head_group_options, layouts_for
 from kvcore.registry import Registry
 
 from .helpers import Snapshot, bytes_equal, oracle_load, oracle_write, small_pools
@@ -25,12 +25,16 @@ NOT_TENSORS = [None, [0, 1, 2, 3], 3, "0:4", (0, 1)]
 @st.composite
 def pools(draw: st.DrawFn) -> HiCacheController:
     kind = draw(st.sampled_from(list(Kind)))
+    layout = draw(st.sampled_from(layouts_for(kind)))
+    head_num = 1 if kind is Kind.MLA else draw(st.integers(1, 2))
+    head_dim, dtype = draw(st.sampled_from([1, 2, 3, 4])), draw(st.sampled_from(DTYPES))
+    if not head_group_options(kind, layout, head_num, head_dim, dtype.itemsize):
+        head_dim = 16  # page_unified's 16-byte rows
     ctl = HiCacheController(*small_pools(
-        kind, draw(st.sampled_from(layouts_for(kind))),
-        num_layers=draw(st.integers(1, 2)), head_num=draw(st.integers(1, 2)),
-        head_dim=draw(st.sampled_from([1, 2, 3, 4])), page_size=draw(st.sampled_from([1, 2, 4])),
+        kind, layout, num_layers=draw(st.integers(1, 2)), head_num=head_num,
+        head_dim=head_dim, page_size=draw(st.sampled_from([1, 2, 4])),
         device_pages=draw(st.integers(1, 3)), host_pages=draw(st.integers(1, 3)),
-        dtype=draw(st.sampled_from(DTYPES)), seed=draw(st.integers(0, 2**16))),
+        dtype=dtype, seed=draw(st.integers(0, 2**16))),
         registry=REGISTRY)
     return ctl
 

@@ -23,7 +23,16 @@ from kvio_rocm import build
 from kvio_rocm._native import NativeLibrary, make_layout
 
 from kvcore.errors import BuildError, InvalidArgument, KernelError
-from kvcore.layout import Geometry, Kind, Layout, byte_strides, canonical_view, host_shape
+from kvcore.layout import (
+    Geometry,
+    Kind,
+    Layout,
+    byte_strides,
+    canonical_view,
+    host_shape,
+    join_heads,
+    split_heads,
+)
 from kvcore.native import layout_fields
 from kvcore.native_abi import KvioBounds, KvioReport, make_bounds, unchecked_bounds
 
@@ -151,7 +160,7 @@ def test_transfer_direct_matches_layout(emul, case, direction, idx) -> None:
         view = canonical_view(expected, g)
         h = host_idx.long()
         for kv, layer in itertools.product(range(g.kv_count), layers):
-            view[kv, layer, h // P, h % P] = pool.layers[kv][layer][dev_idx.long()]
+            view[kv, layer, h // P, h % P] = split_heads(pool.layers[kv][layer][dev_idx.long()], g)
     else:
         pool = make_pool(g, dtype, dev_tokens, gen, poison=True)
         host = random_like(host_shape(g), dtype, gen)
@@ -159,7 +168,7 @@ def test_transfer_direct_matches_layout(emul, case, direction, idx) -> None:
         h = host_idx.long()
         expected_layers = [[t.clone() for t in per] for per in pool.layers]
         for kv, layer in itertools.product(range(g.kv_count), layers):
-            expected_layers[kv][layer][dev_idx.long()] = view[kv, layer, h // P, h % P]
+            expected_layers[kv][layer][dev_idx.long()] = join_heads(view[kv, layer, h // P, h % P])
 
     lib.transfer_direct(direction, pool.k_ptrs, pool.v_ptrs, layer_begin, layer_count,
                         host.data_ptr(), strides, host_idx.data_ptr(),
@@ -193,7 +202,7 @@ def test_launch_is_split_and_grid_strided(emul) -> None:
     assert c["items"] == 2 * 8 * 256  # two launches of 8 workgroups of 256 work-items
     view = canonical_view(host, g)
     for kv, layer in itertools.product(range(2), range(4)):
-        assert torch.equal(view[kv, layer, host_idx // 8, host_idx % 8],
+        assert torch.equal(join_heads(view[kv, layer, host_idx // 8, host_idx % 8]),
                            pool.layers[kv][layer][dev_idx])
 
 
@@ -279,7 +288,7 @@ def test_write_back_staged(emul, case, use_batched, dev64) -> None:
     expected = host.clone()
     view = canonical_view(expected, g)
     for kv, layer in itertools.product(range(g.kv_count), range(g.num_layers)):
-        view[kv, layer, h // P, h % P] = rig.pool.layers[kv][layer][d]
+        view[kv, layer, h // P, h % P] = split_heads(rig.pool.layers[kv][layer][d], g)
 
     raw.kvio_emul_reset()
     lib.write_back_staged(*rig.args(host, dev64, use_batched))
@@ -306,7 +315,7 @@ def test_load_all_staged(emul, case, use_batched, dev64) -> None:
     lib.load_all_staged(*rig.args(host, dev64, use_batched))
     for kv, layer in itertools.product(range(g.kv_count), range(g.num_layers)):
         got = rig.pool.layers[kv][layer].view(torch.uint8)
-        want = view[kv, layer, h // P, h % P].contiguous().view(torch.uint8)
+        want = join_heads(view[kv, layer, h // P, h % P]).contiguous().view(torch.uint8)
         assert torch.equal(got[d], want), (kv, layer)
         assert bool((got[untouched] == POISON).all()), (kv, layer)  # untouched slots
     rig.check_counters(raw, use_batched)
@@ -376,7 +385,7 @@ def test_batch_not_supported_falls_back_to_per_run(emul) -> None:
     assert c["memcpy"] == 2  # pages 1, 2 merged: one run per K/V
     view = canonical_view(host, g)
     for kv, layer in itertools.product(range(2), range(2)):
-        got = view[kv, layer, host_idx // 4, host_idx % 4]
+        got = join_heads(view[kv, layer, host_idx // 4, host_idx % 4])
         assert torch.equal(got.view(torch.uint8), pool.layers[kv][layer][dev_idx].view(torch.uint8))
 
 
@@ -505,13 +514,13 @@ def test_direct_skips_an_out_of_range_index_and_reports_it(emul, case, direction
         expected_host = host.clone()
         ev = canonical_view(expected_host, g)
         for kv, layer in itertools.product(range(g.kv_count), layers):
-            ev[kv, layer, h // P, h % P] = pool.layers[kv][layer][d]
+            ev[kv, layer, h // P, h % P] = split_heads(pool.layers[kv][layer][d], g)
         expected_pool = [[b.clone() for b in per] for per in backing]
     else:
         expected_host = host.clone()
         expected_pool = [[b.clone() for b in per] for per in backing]
         for kv, layer in itertools.product(range(g.kv_count), layers):
-            expected_pool[kv][layer][SLACK:][d] = view[kv, layer, h // P, h % P]
+            expected_pool[kv][layer][SLACK:][d] = join_heads(view[kv, layer, h // P, h % P])
     report, addr = _report()
     bounds = make_bounds(host_tokens, dev_tokens, addr, EPOCH)
 
@@ -545,8 +554,8 @@ def test_direct_in_range_leaves_the_report_alone(emul) -> None:
     assert _fields(report) == (0x1111, -0x1111, 0x2222, -0x2222)
     view = canonical_view(host, g)
     for kv, layer in itertools.product(range(2), range(2)):
-        assert torch.equal(view[kv, layer, host_idx // 4, host_idx % 4].view(torch.uint8),
-                           pool.layers[kv][layer][dev_idx].view(torch.uint8))
+        assert torch.equal(join_heads(view[kv, layer, host_idx // 4, host_idx % 4])
+                           .view(torch.uint8), pool.layers[kv][layer][dev_idx].view(torch.uint8))
 
 
 @pytest.mark.parametrize("case", STAGED[:3] + STAGED[4:], ids=[case_id(c) for c in
@@ -576,7 +585,7 @@ def test_staged_load_skips_an_out_of_range_device_index_and_reports_it(emul, cas
                         bounds=make_bounds(g.size, dev_tokens, addr, EPOCH))
     for kv, layer in itertools.product(range(g.kv_count), range(g.num_layers)):
         want = before[kv][layer].clone()
-        want[d[good]] = view[kv, layer, h[good] // P, h[good] % P]
+        want[d[good]] = join_heads(view[kv, layer, h[good] // P, h[good] % P])
         got = rig.pool.layers[kv][layer]
         assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), (kv, layer)
     assert _fields(report) == (0x1111, -0x1111, EPOCH, dev_tokens + 2)
@@ -605,7 +614,8 @@ def test_staged_write_back_skips_an_out_of_range_device_index_and_reports_it(emu
     good[j] = False
     h = rig.host_idx
     for kv, layer in itertools.product(range(g.kv_count), range(g.num_layers)):
-        ev[kv, layer, h[good] // P, h[good] % P] = rig.pool.layers[kv][layer][d[good]]
+        ev[kv, layer, h[good] // P, h[good] % P] = split_heads(
+            rig.pool.layers[kv][layer][d[good]], g)
     report, addr = _report()
 
     lib.write_back_staged(*rig.args(host, dev64, 0),
@@ -671,3 +681,142 @@ def test_a_null_bounds_pointer_or_report_is_invalid(emul) -> None:
         lib.transfer_direct(0, pool.k_ptrs, pool.v_ptrs, 0, 2, host.data_ptr(), layout,
                             host_idx.data_ptr(), 1, dev_idx.data_ptr(), 1, 8, 0,
                             bounds=no_report)
+
+
+# -- page_unified against the reference backend -------------------------------------------------
+#
+# page_unified's native strides cut an element into head-group chunks (chunk_stride = the
+# head group's stride), which kvio_device.h's kvio_copy_body addresses as
+#   host_base + kv*kv_stride + l*layer_stride + page*page_stride + off*token_stride
+#             + c*chunk_stride  <->  layer_ptr + d*elem_bytes + c*chunk_bytes
+# (kvio_cuda.cu's locate is the same formula). These run the real kernel bodies and compare
+# with kvio_reference's result on the same random data, destinations poisoned.
+
+UNIFIED_CASES = [  # kind, heads, head_dim, dtype, head_group_num
+    (Kind.MHA, 8, 8, torch.bfloat16, 1),
+    (Kind.MHA, 8, 8, torch.bfloat16, 2),
+    (Kind.MHA, 8, 8, torch.bfloat16, 4),
+    (Kind.MHA, 6, 4, torch.float16, 3),  # 16-byte chunks of 2 heads
+    (Kind.MHA, 4, 2, torch.float32, 2),  # 16-byte chunks of 2 heads of 8-byte items
+    (Kind.MLA, 1, 40, torch.bfloat16, 1),  # 80 B (page_unified rows are 16-byte multiples)
+]
+
+
+def _unified_id(c: tuple) -> str:
+    kind, h, d, dt, groups = c
+    return f"{kind.value}-h{h}d{d}g{groups}-{str(dt).removeprefix('torch.')}"
+
+
+def _unified_pools(case: tuple, gen: torch.Generator, poison_device: bool):
+    from kvcore.pools import DevicePool, HostPool
+
+    kind, heads, dim, dtype, groups = case
+    g = Geometry(kind=kind, layout=Layout.PAGE_UNIFIED, num_layers=3, size=48, head_num=heads,
+                 head_dim=dim, page_size=4, head_group_num=groups)
+    dev = DevicePool.allocate(kind, 3, 60, heads, dim, dtype, "cpu", 4)
+    for t in dev.all_buffers():
+        if poison_device:
+            t.view(torch.uint8).fill_(POISON)
+        else:
+            t.copy_(random_like(tuple(t.shape), dtype, gen))
+    buf = (torch.full(host_shape(g), 0, dtype=dtype) if not poison_device
+           else random_like(host_shape(g), dtype, gen))
+    if not poison_device:
+        buf.view(torch.uint8).fill_(POISON)
+    host = HostPool.wrap(buf, kind, Layout.PAGE_UNIFIED, 3, heads, dim, 4,
+                         head_group_num=groups)
+    return g, dev, host
+
+
+def _reference(op: str, dev, host, h: torch.Tensor, d: torch.Tensor,
+               layer: int | None = None) -> None:
+    from kvcore.registry import Registry, make_request
+
+    reg = Registry(environ={"KVCORE_PLUGINS": ""})
+    g = host.geometry
+    req = make_request(op, g.kind, g.layout, dev.dtype, dev.element_bytes, "cpu")
+    reg.resolve(req, "reference").transfer(dev, host, h, d, layer=layer)
+
+
+def _pool_bytes(dev) -> list[torch.Tensor]:
+    return [t.view(torch.uint8).clone() for t in dev.all_buffers()]
+
+
+@pytest.mark.parametrize("case", UNIFIED_CASES, ids=[_unified_id(c) for c in UNIFIED_CASES])
+@pytest.mark.parametrize("op", ["write_back", "load_all", "load_layer"])
+def test_page_unified_direct_equals_the_reference(emul, case, op) -> None:
+    lib, _ = emul
+    gen = torch.Generator().manual_seed(hash(_unified_id(case) + op) & 0xFFFF)
+    g, dev, host = _unified_pools(case, gen, poison_device=op != "write_back")
+    h = page_indices(g, [7, 2, 3, 10, 0], torch.int64)
+    d = torch.randperm(60, generator=gen)[:h.numel()]
+    ref_dev = dev.clone()
+    ref_host = _twin_host(host)
+    fields = layout_of(g, dev.dtype.itemsize)
+    if op == "write_back":
+        lib.transfer_direct(0, dev.k_ptrs.data_ptr(), _v(dev), 0, 3, host.buffer.data_ptr(),
+                            fields, h.data_ptr(), 1, d.data_ptr(), 1, h.numel(), 0)
+        _reference(op, ref_dev, ref_host, h, d)
+        assert torch.equal(host.buffer.view(torch.uint8), ref_host.buffer.view(torch.uint8))
+        return
+    layers = range(3) if op == "load_layer" else [None]
+    for layer in layers:
+        begin, count = (0, 3) if layer is None else (layer, 1)
+        lib.transfer_direct(1, dev.k_ptrs.data_ptr(), _v(dev), begin, count,
+                            host.buffer.data_ptr(), fields, h.data_ptr(), 1, d.data_ptr(), 1,
+                            h.numel(), 0)
+        _reference(op, ref_dev, host, h, d, layer=layer)
+    for got, want in zip(_pool_bytes(dev), _pool_bytes(ref_dev), strict=True):
+        assert torch.equal(got, want)
+    untouched = torch.ones(60, dtype=torch.bool)
+    untouched[d] = False
+    assert all(bool((t.view(torch.uint8)[untouched] == POISON).all()) for t in dev.all_buffers())
+
+
+def _twin_host(host):  # a pool over a copy of the buffer
+    from kvcore.pools import HostPool
+
+    g = host.geometry
+    return HostPool.wrap(host.buffer.clone(), g.kind, g.layout, g.num_layers, g.head_num,
+                         g.head_dim, g.page_size, head_group_num=g.head_group_num)
+
+
+def _v(dev) -> int:
+    return dev.v_ptrs.data_ptr() if dev.v_ptrs is not None else 0
+
+
+@pytest.mark.parametrize("direction", ["write_back", "load_all"])
+def test_page_unified_mla_staged_equals_the_reference(emul, direction) -> None:
+    """MLA page_unified pages are one run each, so the staged path takes them."""
+    lib, raw = emul
+    case = (Kind.MLA, 1, 40, torch.bfloat16, 1)
+    gen = torch.Generator().manual_seed(21)
+    g, dev, host = _unified_pools(case, gen, poison_device=direction == "load_all")
+    h = page_indices(g, [5, 6, 1, 9], torch.int64)
+    d = torch.randperm(60, generator=gen)[:h.numel()]
+    ref_dev, ref_host = dev.clone(), _twin_host(host)
+    staging = torch.full((1 << 14,), POISON, dtype=torch.uint8)
+    fn = lib.write_back_staged if direction == "write_back" else lib.load_all_staged
+    raw.kvio_emul_reset()
+    fn(dev.k_ptrs.data_ptr(), 0, 3, host.buffer.data_ptr(), layout_of(g, 2), h.data_ptr(),
+       d.data_ptr(), 1, h.numel(), staging.data_ptr(), staging.numel(), 1, 0)
+    _reference(direction, ref_dev, ref_host, h, d)
+    assert torch.equal(host.buffer.view(torch.uint8), ref_host.buffer.view(torch.uint8))
+    for got, want in zip(_pool_bytes(dev), _pool_bytes(ref_dev), strict=True):
+        assert torch.equal(got, want)
+    assert counters(raw)["bytes"] == 4 * 3 * 4 * 80  # whole pages copied, nothing else
+
+
+def test_page_unified_mha_pages_are_refused_by_the_staged_path(emul) -> None:
+    """K and V interleave inside an MHA page_unified page, so a page of K is not one run: the
+    library refuses the staged path, and kvcore does not declare it (native_ops)."""
+    lib, _ = emul
+    g, dev, host = _unified_pools((Kind.MHA, 8, 8, torch.bfloat16, 1),
+                                  torch.Generator().manual_seed(3), poison_device=False)
+    h = page_indices(g, [1], torch.int64)
+    d = torch.arange(4)
+    staging = torch.empty(1 << 14, dtype=torch.uint8)
+    with pytest.raises(KernelError, match=r"invalid argument"):
+        lib.write_back_staged(dev.k_ptrs.data_ptr(), _v(dev), 3, host.buffer.data_ptr(),
+                              layout_of(g, 2), h.data_ptr(), d.data_ptr(), 1, 4,
+                              staging.data_ptr(), staging.numel(), 1, 0)

@@ -10,7 +10,7 @@ import torch
 
 from kvcore.backend import TransferJob
 from kvcore.capabilities import HostMemory
-from kvcore.layout import Op, canonical_view
+from kvcore.layout import Op, canonical_view, join_heads, split_heads
 from kvcore.streams import on_stream
 
 
@@ -33,7 +33,7 @@ class ReferenceBackend:
 
 def _transfer(job: TransferJob) -> None:
     g = job.host_geometry
-    view = canonical_view(job.host_buffer, g)  # (kv, layer, page, token, head, dim)
+    view = canonical_view(job.host_buffer, g)  # (kv, layer, page, token, group, head, dim)
     h = job.host_indices.to(torch.int64)
     page, off = h // g.page_size, h % g.page_size
     d = job.device_indices
@@ -43,8 +43,8 @@ def _transfer(job: TransferJob) -> None:
         tensors = pool.layers(kv)
         if job.op is Op.WRITE_BACK:
             gathered = torch.stack([tensors[i][d] for i in layers])  # (L, n, H, D) on device
-            view[kv, layers[0]:layers[-1] + 1, page, off] = gathered.to("cpu")
+            view[kv, layers[0]:layers[-1] + 1, page, off] = split_heads(gathered.to("cpu"), g)
         else:
-            host = view[kv, layers[0]:layers[-1] + 1, page, off].to(pool.device)
+            host = join_heads(view[kv, layers[0]:layers[-1] + 1, page, off]).to(pool.device)
             for j, i in enumerate(layers):
                 tensors[i][d] = host[j]

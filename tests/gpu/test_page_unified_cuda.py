@@ -1,0 +1,103 @@
+"""kvio_cuda on page_unified host pools (SGLang 0.5.23), head groups included, against the
+reference on the GPU (CUDA machines only; skipped with the reason elsewhere).
+
+`kvio check cuda` covers page_unified through the capability records (one head group and the
+most groups up to 4 its elements allow); these add 1, 2 and 4 groups on one 8-head element and
+every index pattern of test_cuda_paths, for each op as the plan selects its variant (MHA:
+direct, K and V interleave inside a page; MLA: staged, its pages are one run).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvcore import DevicePool, HostPool
+from kvcore.cli.backends import default_device
+from kvcore.layout import Op
+from kvcore.registry import allocate_host_pool, default_registry, make_request
+from kvcore.verify import random_fill
+
+DEVICE = default_device()
+PAGE, LAYERS, POOL_PAGES = 64, 6, 48
+
+
+def _cuda_available() -> bool:
+    if DEVICE.type != "cuda":
+        return False
+    try:
+        return bool(default_registry().availability("cuda"))
+    except Exception:  # noqa: BLE001 - not installed: skip with the reason below
+        return False
+
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not _cuda_available(), reason=f"kvio_cuda is not available on {DEVICE} "
+                                                     "(see `kvio backends`)"),
+]
+
+GEOMETRIES = {"mha": (8, 128), "mla": (1, 576)}  # 2048-B and 1152-B elements in bf16
+
+
+def _pools(kind: str, groups: int, gen: torch.Generator) -> tuple[DevicePool, HostPool]:
+    heads, dim = GEOMETRIES[kind]
+    dev = DevicePool.allocate(kind, LAYERS, POOL_PAGES * PAGE, heads, dim, torch.bfloat16,
+                              DEVICE, PAGE)
+    host = allocate_host_pool(kind, "page_unified", LAYERS, POOL_PAGES * PAGE, heads, dim,
+                             torch.bfloat16, PAGE, DEVICE, backend="cuda",
+                             head_group_num=groups)
+    for t in (*dev.all_buffers(), host.buffer):
+        random_fill(t, gen)
+    return dev, host
+
+
+def _plan(op: Op, kind: str, backend: str):
+    heads, dim = GEOMETRIES[kind]
+    req = make_request(op, kind, "page_unified", torch.bfloat16, heads * dim * 2, DEVICE)
+    return default_registry().resolve(req, backend)
+
+
+def _tokens(pages: list[int]) -> torch.Tensor:
+    p = torch.tensor(pages, dtype=torch.int64)
+    return (p[:, None] * PAGE + torch.arange(PAGE)).flatten()
+
+
+def _index_patterns(gen: torch.Generator) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """test_cuda_paths' patterns: merged runs, scattered reversed pages, single tokens, and
+    device slots starting mid-page."""
+    perm = torch.randperm(POOL_PAGES, generator=gen).tolist()
+    within = _tokens([3, 4])
+    return {
+        "adjacent": (_tokens([5, 6, 7, 20, 21]), _tokens([30, 31, 32, 1, 2])),
+        "scattered": (_tokens(perm[:17][::-1]), _tokens(perm[17:34])),
+        "tokens": (within, within[torch.randperm(within.numel(), generator=gen)]),
+        "ragged": (_tokens([8, 9]), torch.arange(7, 7 + 2 * PAGE)),
+    }
+
+
+@pytest.mark.parametrize(("kind", "groups"), [("mha", 1), ("mha", 2), ("mha", 4), ("mla", 1)])
+@pytest.mark.parametrize("op", list(Op), ids=[o.value for o in Op])
+def test_page_unified_equals_the_reference(kind: str, groups: int, op: Op) -> None:
+    gen = torch.Generator().manual_seed(groups * 31 + list(Op).index(op))
+    plan, ref = _plan(op, kind, "cuda"), _plan(op, kind, "reference")
+    for name, (h, d) in _index_patterns(gen).items():
+        dev, host = _pools(kind, groups, gen)
+        d = d.to(DEVICE)
+        if plan.select(plan.page_bytes(PAGE, LAYERS)).variant == "staged" and \
+                name in ("tokens", "ragged"):
+            continue  # the staged variants move whole pages only
+        ref_dev = dev.clone()
+        g = host.geometry
+        ref_host = HostPool.wrap(host.buffer.clone(), kind, "page_unified", LAYERS,
+                                 g.head_num, g.head_dim, PAGE, head_group_num=groups)
+        layers = range(LAYERS) if op is Op.LOAD_LAYER else [None]
+        for layer in layers:
+            plan.transfer(dev, host, h, d, layer=layer)
+            ref.transfer(ref_dev, ref_host, h, d, layer=layer)
+        torch.cuda.synchronize()
+        # everything compared, untouched bytes included (both sides started equal)
+        assert torch.equal(host.buffer.view(torch.int16), ref_host.buffer.view(torch.int16)), \
+            name
+        for got, want in zip(dev.all_buffers(), ref_dev.all_buffers(), strict=True):
+            assert torch.equal(got.view(torch.int16), want.view(torch.int16)), name
