@@ -74,12 +74,20 @@ def backend_facts(registry: Registry) -> list[dict[str, Any]]:
     for b in registry.broken():
         out.append({"name": b.name, "distribution": b.distribution, "available": False,
                     "reason": b.reason, "broken": True, "ops": []})
+    for r in registry.refused():
+        out.append({"name": r.name, "distribution": r.distribution, "available": False,
+                    "reason": r.reason, "refused": True, "ops": []})
     return out
 
 
 def _table(facts: list[dict[str, Any]]) -> str:
     lines = []
     for f in facts:
+        if f.get("refused"):
+            lines.append(f"{f['name']} from {f['distribution'] or 'an unknown distribution'} "
+                         f"REFUSED (not imported)")
+            lines.append(f"    why: {f['reason']}")
+            continue
         state = "available" if f["available"] else "UNAVAILABLE"
         head = f"{f['name']} {f.get('version', '?')} [{f.get('platform', '?')}, " \
                f"priority {f.get('priority', '-')}] {state}"

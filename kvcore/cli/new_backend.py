@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from kvcore.errors import InvalidArgument
+from kvcore.registry import SHIPPED
 
 TEMPLATE = "backend"
 _NAME = re.compile(r"[a-z][a-z0-9_]*\Z")
@@ -36,6 +37,10 @@ def template_values(name: str) -> dict[str, str]:
     if not _NAME.match(name) or keyword.iskeyword(name):
         raise InvalidArgument("NAME", "lowercase letters, digits and _, starting with a letter",
                               repr(name))
+    if name in SHIPPED:
+        raise InvalidArgument("NAME", f"a name no shipped plugin uses (not "
+                                      f"{', '.join(sorted(SHIPPED))})",
+                              f"{name!r}, which would shadow {SHIPPED[name]}")
     return {
         "name": name,
         "module": f"kvio_{name}",
