@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from kvcore.buildcache import load_library
 from kvcore.native import NativeBackend
 
 
@@ -17,7 +18,9 @@ class CudaBackend(NativeBackend):
         from kvio_cuda.build import build_library
 
         major, minor = torch.cuda.get_device_capability(device)
-        super().__init__(device, NativeLibrary(build_library(major, minor)))
+        path = build_library(major, minor)
+        # loaded through the descriptor the build cache verified, not by path again
+        super().__init__(device, NativeLibrary(path, lib=load_library(path)))
 
     def raw_stream(self, stream: Any) -> int:
         return int(stream.cuda_stream)
