@@ -56,7 +56,19 @@ class NoBackend(KVCoreError, LookupError):
 
 
 class PluginLoadError(KVCoreError, ImportError):
-    """A plugin could not be imported or registered (fatal only when asked for or strict)."""
+    """A plugin could not be imported or registered (fatal only when asked for or strict).
+
+    ``plugin_traceback`` holds the plugin's own traceback where there is one (the message
+    stays one line; ``kvio`` prints the traceback under KVCORE_STRICT=1).
+    """
+
+    def __init__(self, message: str, plugin_traceback: str | None = None) -> None:
+        super().__init__(message)
+        self.plugin_traceback = plugin_traceback
+
+
+class MissingDependency(KVCoreError, ImportError):
+    """An optional dependency a command needs is not installed (the message says which)."""
 
 
 class ApiVersionMismatch(PluginLoadError):

@@ -254,7 +254,8 @@ class Registry:
             self._broken[ep.name] = broken
             if _strict(self._environ):
                 self._discovered = False  # stay fatal on the next query, not half-discovered
-                raise PluginLoadError(broken.reason + " (KVCORE_STRICT=1)") from exc
+                raise PluginLoadError(broken.reason + " (KVCORE_STRICT=1)",
+                                      plugin_traceback=broken.traceback) from exc
 
     def register(self, spec: BackendSpec, source: str = "in-process",
                  distribution: str | None = None) -> None:
@@ -322,7 +323,8 @@ class Registry:
             return self._backends[name]
         for broken in self._broken.values():
             if broken.name == name:
-                raise PluginLoadError(broken.reason + "\n" + broken.traceback) from broken.error
+                raise PluginLoadError(broken.reason,
+                                      plugin_traceback=broken.traceback) from broken.error
         refusals = [r.reason for r in self._refused.values() if r.name == name]
         if refusals and name not in self._backends:
             raise PluginLoadError(f"plugin {name!r} was not imported: " + "; ".join(refusals))

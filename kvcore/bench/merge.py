@@ -8,6 +8,7 @@ runs on the same machine gives one table whose ratios keep their meaning.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -35,12 +36,14 @@ def load(path: str) -> tuple[BenchResult, str]:
         named = [_case(c) for c in facts.get("not_run_cases", [])]
         result = BenchResult(rows=rows, machine=facts["machine"], backends=facts["backends"],
                              settings=facts["settings"], started=facts["started"],
-                             elapsed_s=facts["elapsed_s"], not_run_cases=named,
+                             elapsed_s=_duration("elapsed_s", facts["elapsed_s"]),
+                             not_run_cases=named,
                              not_run_unnamed=max(0, facts.get("not_run", 0) - len(named)))
         return result, facts["command"]
-    except (KeyError, TypeError) as exc:
+    except (KeyError, TypeError, ValueError) as exc:
+        what = f"missing or malformed {exc}" if isinstance(exc, KeyError) else f"malformed: {exc}"
         raise InvalidArgument("--merge", "every field of kvcore.bench/1",
-                              f"{path}: missing or malformed {exc}") from exc
+                              f"{path}: {what}") from exc
 
 
 #: the settings that say how a row was timed; merged runs must agree on every one
@@ -108,4 +111,17 @@ def _row(facts: dict[str, Any]) -> Row:
 
 
 def _timing(facts: dict[str, Any] | None) -> Timing | None:
-    return None if facts is None else Timing(tuple(float(x) for x in facts["samples_ms"]))
+    if facts is None:
+        return None
+    samples = facts["samples_ms"]
+    if not isinstance(samples, list) or not samples:
+        raise ValueError(f"samples_ms must be a non-empty list, got {samples!r}")
+    return Timing(tuple(_duration("samples_ms", x) for x in samples))
+
+
+def _duration(field: str, value: object) -> float:
+    """A time read from a file: a finite, non-negative number (NaN, inf, negative refused)."""
+    if isinstance(value, bool) or not isinstance(value, int | float) \
+            or not math.isfinite(value) or value < 0:
+        raise ValueError(f"{field} holds {value!r}, not a finite non-negative time")
+    return float(value)

@@ -129,7 +129,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _explain(args: argparse.Namespace, registry: Registry) -> int:
-    device = torch.device(args.device) if args.device else default_device()
+    from kvcore.cli.common import parse_device
+
+    device = parse_device(args.device)
     dtype = getattr(torch, args.dtype, None)
     if not isinstance(dtype, torch.dtype):
         raise SystemExit(f"kvio backends: --dtype {args.dtype!r} is not a torch dtype")

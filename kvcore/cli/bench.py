@@ -16,8 +16,9 @@ import torch
 from kvcore.bench import report
 from kvcore.bench.runner import Bench, BenchResult
 from kvcore.bench.sweep import PRESETS, Case, expand, override
-from kvcore.cli.backends import default_device
-from kvcore.registry import default_registry
+from kvcore.cli.common import check_fits, check_output_path, parse_device, require_backend
+from kvcore.plan import dtype_name
+from kvcore.registry import REFERENCE, default_registry
 
 #: option -> Sweep field it overrides
 AXES = {"op": "ops", "kind": "kinds", "layout": "layouts", "dtype": "dtypes",
@@ -92,16 +93,22 @@ def command_line(args: argparse.Namespace) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    for option in ("json", "markdown", "plot"):  # before the sweep, not after it
+        check_output_path(f"--{option}", getattr(args, option))
     if args.merge:
         return _merge(args)
     cases = _cases(args)
-    device = torch.device(args.device) if args.device else default_device()
+    device = parse_device(args.device)
+    for name in _split(args.backend) or []:
+        require_backend(default_registry(), name, "--backend")
     bench = Bench(registry=default_registry(), device=device, cases=cases,
                   backends=_split(args.backend), warmup=args.warmup, repeat=args.repeat,
                   seed=args.seed, settings={"preset": args.preset},
                   time_limit_s=args.time_limit, reference_repeat=args.reference_repeat,
                   retime=args.retime)
-    total = len(cases) * len(bench.backend_names())
+    names = bench.backend_names()
+    _check_memory(cases, names, device)
+    total = len(cases) * len(names)
     quiet = args.quiet or args.json == "-"
     mode = "off" if quiet else "bar" if sys.stdout.isatty() else "lines"
     with progress(total, mode) as advance, _sigterm_interrupts():
@@ -111,6 +118,23 @@ def run(args: argparse.Namespace) -> int:
               file=sys.stderr)
     _report(args, result, command_line(args))
     return _exit_code(result)
+
+
+def _check_memory(cases: list[Case], names: list[str], device: torch.device) -> None:
+    """Refuse, before anything is allocated, a sweep whose largest geometry cannot fit: the
+    initial and expected pools, and one pool pair per other backend, each a device pool and
+    a host pool (a lower bound: staging and the ceiling's buffers come on top)."""
+    if not cases:
+        return
+    pairs = 2 + sum(1 for n in names if n != REFERENCE)
+    case = max(cases, key=lambda c: c.kv_count * c.num_layers * c.pool_tokens * c.element_bytes)
+    pool = case.kv_count * case.num_layers * case.pool_tokens * case.element_bytes
+    cpu = torch.device("cpu")
+    needs = {cpu: 2 * pairs * pool} if device.type == "cpu" else {device: pairs * pool,
+                                                                  cpu: pairs * pool}
+    what = (f"{case.kind.value} {case.num_layers} layers x {case.total_pages} pages of "
+            f"{case.page_size} x {case.element_dim} {dtype_name(case.dtype)}, {pairs} pool pairs")
+    check_fits("--total-pages", what, needs)
 
 
 def _cases(args: argparse.Namespace) -> list[Case]:

@@ -64,8 +64,18 @@ def _files(root: Traversable, prefix: str = "") -> list[tuple[str, Traversable]]
 def write_skeleton(name: str, target: Path) -> list[Path]:
     """Render the skeleton for ``name`` into ``target``; return the files written."""
     values = template_values(name)
+    if target.exists() and not target.is_dir():
+        raise InvalidArgument("DIR", "a new or empty directory", f"{target} (a file)")
     if target.exists() and any(target.iterdir()):
         raise InvalidArgument("DIR", "a new or empty directory", f"{target} (not empty)")
+    try:  # made (or found writable) before the first file is written
+        target.mkdir(parents=True, exist_ok=True)
+        probe = target / ".kvio-new-backend"
+        probe.touch()
+        probe.unlink()
+    except OSError as exc:
+        raise InvalidArgument("DIR", "a directory you can create and write",
+                              f"{target} ({exc.strerror or exc})") from exc
     root = resources.files("kvcore").joinpath("templates", TEMPLATE)
     written = []
     for rel, entry in _files(root):
