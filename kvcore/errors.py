@@ -10,6 +10,11 @@ from __future__ import annotations
 
 from typing import Any
 
+#: what to install when kvcore finds no backend at all
+NO_PLUGIN_HINT = ("kvcore alone has no backend; install kvio-reference (pure torch, any device, "
+                  "the oracle) and the plugin of your GPU, kvio-cuda (NVIDIA) or kvio-rocm "
+                  "(AMD); from a checkout: pip install -e plugins/kvio_reference")
+
 
 class KVCoreError(Exception):
     """Base class of every error kvcore raises on purpose."""
@@ -50,7 +55,7 @@ class NoBackend(KVCoreError, LookupError):
         self.reasons = dict(reasons)
         lines = [f"no backend can serve {request}"]
         if not reasons:
-            lines.append("  (no backends are registered; is kvio_reference installed?)")
+            lines.append(f"  (no backends are registered: {NO_PLUGIN_HINT})")
         lines += [f"  {name}: {why}" for name, why in sorted(reasons.items())]
         super().__init__("\n".join(lines))
 

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from typing import Any
 
 import torch
 
 from kvcore.capabilities import Unavailable
+from kvcore.errors import NO_PLUGIN_HINT
 from kvcore.layout import Kind, Layout, Op
 from kvcore.plan import dtype_name
 from kvcore.registry import Registry, default_registry, make_request
@@ -125,6 +127,9 @@ def run(args: argparse.Namespace) -> int:
         return _explain(args, registry)
     facts = backend_facts(registry)
     print(json.dumps(facts, indent=2) if args.json else _table(facts))
+    if not facts:  # kvcore without any plugin: say what to install
+        print(f"kvio backends: no backend is installed: {NO_PLUGIN_HINT}", file=sys.stderr)
+        return 1
     return 0
 
 
