@@ -7,6 +7,7 @@ runs on the same machine gives one table whose ratios keep their meaning.
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 from collections.abc import Sequence
@@ -19,11 +20,42 @@ from kvcore.errors import InvalidArgument
 from kvcore.layout import Kind, Layout, Op, parse_enum
 
 
-def load(path: str) -> tuple[BenchResult, str]:
-    """The result and the command line stored in one ``--json`` file."""
+def read_document(path: str) -> Any:
+    """The document of one ``kvio bench --json`` file, in any form it writes: one JSON
+    document, or JSON lines (the document without its rows, then one row per line), either
+    of them gzip-compressed. The form is read from the bytes, not from the file name.
+
+    Raises OSError, or ValueError for bytes that are none of these.
+    """
+    with open(path, "rb") as f:
+        data = f.read()
+    if data[:2] == GZIP_MAGIC:
+        data = gzip.decompress(data)
+    text = data.decode("utf-8")
     try:
-        with open(path, encoding="utf-8") as f:
-            facts = json.load(f)
+        return json.loads(text)
+    except json.JSONDecodeError as whole:
+        lines = [line for line in text.splitlines() if line.strip()]
+        try:
+            head = json.loads(lines[0]) if lines else None
+        except json.JSONDecodeError:
+            raise whole from None
+        if not isinstance(head, dict) or "rows" in head:
+            raise
+        rows = []
+        for number, line in enumerate(lines[1:], start=2):
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"line {number}: {exc}") from None
+        return {**head, "rows": rows}
+
+
+def load(path: str) -> tuple[BenchResult, str]:
+    """The result and the command line stored in one ``--json`` file (see
+    :func:`read_document` for the forms read)."""
+    try:
+        facts = read_document(path)
     except (OSError, ValueError) as exc:
         raise InvalidArgument("--merge", "a readable kvio bench JSON file",
                               f"{path}: {exc}") from exc
@@ -45,6 +77,8 @@ def load(path: str) -> tuple[BenchResult, str]:
         raise InvalidArgument("--merge", "every field of kvcore.bench/1",
                               f"{path}: {what}") from exc
 
+
+GZIP_MAGIC = b"\x1f\x8b"
 
 #: the settings that say how a row was timed; merged runs must agree on every one
 TIMING_SETTINGS = ("timer", "stream", "warmup", "warmup_per", "repeat", "reference_repeat")

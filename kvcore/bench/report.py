@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 from collections.abc import Sequence
 from typing import Any
@@ -191,6 +192,24 @@ def to_json(result: BenchResult, command: str) -> str:
     """The full records (validated by ``kvcore/schemas/bench.schema.json``)."""
     facts: dict[str, Any] = {**result.facts(), "command": command}
     return json.dumps(facts, indent=2)
+
+
+def to_json_lines(result: BenchResult, command: str) -> str:
+    """The records of :func:`to_json` as JSON lines: the document without its rows on the
+    first line, then one compact line per row (``kvio bench --merge`` reads both)."""
+    facts: dict[str, Any] = {**result.facts(), "command": command}
+    rows = facts.pop("rows")
+    return "\n".join(json.dumps(obj, separators=(",", ":")) for obj in (facts, *rows)) + "\n"
+
+
+def json_bytes(result: BenchResult, command: str, path: str) -> bytes:
+    """The ``--json`` file for ``path``, in the form its name asks for: ``.jsonl`` JSON lines,
+    ``.json`` one indented document, either with ``.gz`` gzip-compressed (reproducibly)."""
+    name = path.removesuffix(".gz")
+    text = (to_json_lines(result, command) if name.endswith(".jsonl")
+            else to_json(result, command) + "\n")
+    data = text.encode("utf-8")
+    return gzip.compress(data, mtime=0) if path.endswith(".gz") else data
 
 
 def schema() -> dict[str, Any]:

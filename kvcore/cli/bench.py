@@ -59,13 +59,16 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--time-limit", type=float, default=None, metavar="SECONDS",
                    help="start no new case after SECONDS; the report then says how many "
                         "cases were not run (SIGTERM and Ctrl-C stop the same way)")
-    p.add_argument("--json", metavar="FILE", help="write full records as JSON ('-': stdout)")
+    p.add_argument("--json", metavar="FILE",
+                   help="write full records as JSON ('-': stdout); FILE.jsonl writes one line "
+                        "per row, FILE.jsonl.gz (or .json.gz) compresses it")
     p.add_argument("--markdown", metavar="FILE", help="write the table as markdown")
     p.add_argument("--plot", metavar="FILE.png", help="plot GiB/s and ratio (needs matplotlib)")
     p.add_argument("--quiet", action="store_true", help="no progress bar and no table")
     p.add_argument("--merge", nargs="+", metavar="FILE.json", default=None,
                    help="measure nothing: join the rows of earlier --json files (runs of one "
-                        "sweep on one machine) and write the reports from them")
+                        "sweep on one machine, in any --json form: .json, .jsonl, .gz) and "
+                        "write the reports from them")
     return p
 
 
@@ -184,12 +187,11 @@ def _report(args: argparse.Namespace, result: BenchResult, cmd: str) -> None:
     latency = args.preset == "single-page"
     if not args.quiet and not json_to_stdout:
         print(report.text_table(result, latency))
-    if args.json:
-        text = report.to_json(result, cmd)
-        if json_to_stdout:
-            print(text)
-        else:
-            _write(args.json, text + "\n")
+    if json_to_stdout:
+        print(report.to_json(result, cmd))
+    elif args.json:
+        with open(args.json, "wb") as f:
+            f.write(report.json_bytes(result, cmd, args.json))
     if args.markdown:
         _write(args.markdown, report.markdown(result, cmd, latency))
     if args.plot:
