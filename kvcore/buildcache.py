@@ -8,7 +8,11 @@ Guarantees:
 
 - The cache directory belongs to the current user and is not writable by group or others
   (anything else is refused: a library loaded from a directory others can write to runs
-  their code in our process). It is created with mode 0o700.
+  their code in our process). Every folder above it belongs to the user or to root and is
+  not writable by group or others unless sticky (``/tmp``), so no one else can rename a
+  component of the path under us. Missing folders, the cache's parents included, are created
+  with mode 0o700 whatever the process umask. The path is used with its symlinks resolved,
+  once, when it is checked.
 - Builds happen under an exclusive ``fcntl.flock`` on ``<entry>.lock``; the result is
   written to a temporary file in the same directory and moved into place with
   ``os.replace``, so readers see either no entry or a whole one, and a library already
@@ -17,11 +21,17 @@ Guarantees:
   returned; a truncated or corrupt entry (or one without its sidecar) is rebuilt.
 - Many processes asking at once build exactly once: the entry is checked again after the
   lock is taken.
+- :func:`load_library` loads an entry through the file descriptor it verified: the entry is
+  opened with ``O_NOFOLLOW`` (a symlink is refused), must be a regular file of the user not
+  writable by group or others, its sha256 is computed from that descriptor and compared with
+  the sidecar, and the dynamic loader maps that same open file (``/proc/self/fd/N``), so a
+  file swapped in after the check is never what runs.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import fcntl
 import hashlib
 import json
@@ -34,7 +44,7 @@ from pathlib import Path
 
 from kvcore.errors import BuildError
 
-__all__ = ["build_cached", "cache_root", "entry_path", "verify_entry"]
+__all__ = ["build_cached", "cache_root", "entry_path", "load_library", "verify_entry"]
 
 #: the environment variable naming the cache directory (overrides the XDG default)
 CACHE_DIR_ENV = "KVCORE_CACHE_DIR"
@@ -95,24 +105,143 @@ def _sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def verify_entry(entry: Path) -> bool:
-    """True when ``entry`` and its sidecar exist and the file's sha256 matches the sidecar."""
+def _sha256_fd(fd: int) -> str:
+    """sha256 of the whole file behind ``fd``, read from its start (the offset is kept)."""
+    h = hashlib.sha256()
+    offset = 0
+    while chunk := os.pread(fd, _CHUNK, offset):
+        h.update(chunk)
+        offset += len(chunk)
+    return h.hexdigest()
+
+
+def _read_private(path: Path) -> bytes:
+    """The bytes of ``path``, refusing a symlink or a file others may write."""
+    fd = _open_private(path)
     try:
-        recorded = _sidecar(entry).read_text().strip()
-        return bool(recorded) and entry.is_file() and _sha256_file(entry) == recorded
-    except OSError:
+        return os.read(fd, 4096)
+    finally:
+        os.close(fd)
+
+
+def _open_private(path: Path, root_may_own: bool = False) -> int:
+    """``path`` opened read-only without following a symlink; it must be a regular file of
+    the current user (or of root, with ``root_may_own``: installed package files) that group
+    and others cannot write. Raises OSError otherwise."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(f"{path} is not a regular file")
+        if st.st_uid != os.getuid() and not (root_may_own and st.st_uid == 0):
+            raise OSError(f"{path} is owned by uid {st.st_uid}, not by uid {os.getuid()}")
+        if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            raise OSError(f"{path} is writable by group or others "
+                          f"(mode {stat.S_IMODE(st.st_mode):#o})")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _open_verified(entry: Path, sha256: str | None = None) -> int:
+    """A descriptor of ``entry`` whose contents match its sidecar, or ``sha256`` where given
+    (a library installed with its hash in a manifest, which root may own; see
+    :func:`_open_private`); OSError or ValueError with the reason otherwise."""
+    recorded = (sha256 if sha256 is not None
+                else _read_private(_sidecar(entry)).decode("ascii").strip())
+    fd = _open_private(entry, root_may_own=sha256 is not None)
+    try:
+        if not recorded or _sha256_fd(fd) != recorded:
+            raise ValueError(f"{entry} does not match its recorded sha256")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def verify_entry(entry: Path) -> bool:
+    """True when ``entry`` and its sidecar exist, are regular files of the current user (not
+    symlinks, not writable by group or others) and the file's sha256 matches the sidecar."""
+    try:
+        os.close(_open_verified(entry))
+        return True
+    except (OSError, ValueError):
         return False
 
 
-def _secure_dir(path: Path) -> Path:
-    """Create ``path`` (mode 0o700) if needed and refuse it unless it is a directory owned by
-    the current user and not writable by group or others."""
+def load_library(entry: Path, sha256: str | None = None) -> ctypes.CDLL:
+    """Load the cached library ``entry`` (a path :func:`build_cached` returned) with ctypes,
+    mapping exactly the file that was verified. ``sha256``: a library that is not in the
+    cache (a wheel's prebuilt one) with the hash its manifest recorded.
+
+    The file is opened once with ``O_NOFOLLOW``, checked (regular, the user's own, not
+    writable by group or others, sha256 equal to the recorded one) and handed to the dynamic
+    loader as ``/proc/self/fd/N``, the same open file: replacing the entry or a symlink on
+    its path after the check changes nothing that is loaded. Raises BuildError on any
+    failed check or a failed load.
+    """
+    entry = Path(entry)
     try:
-        path.mkdir(mode=_DIR_MODE, parents=True, exist_ok=True)
+        fd = _open_verified(entry, sha256)
+    except (OSError, ValueError) as exc:
+        raise BuildError(f"refusing to load {entry}: {exc} (a symlink, a file others can "
+                         f"write, or one changed since it was built; it is rebuilt on next "
+                         f"use if removed)") from exc
+    try:
+        return ctypes.CDLL(f"/proc/self/fd/{fd}")
+    except OSError as exc:
+        raise BuildError(f"cannot load {entry}: {exc}") from exc
+    finally:
+        os.close(fd)
+
+
+def _make_private_dirs(path: Path) -> None:
+    """Create ``path`` and any missing parent, each with mode 0o700 (not the umask's)."""
+    missing = []
+    for p in (path, *path.parents):
+        if os.path.lexists(p):
+            break
+        missing.append(p)
+    for p in reversed(missing):
+        try:
+            os.mkdir(p, _DIR_MODE)
+        except FileExistsError:
+            continue  # made by a racing process: checked below like any existing folder
+        os.chmod(p, _DIR_MODE)
+
+
+def _check_parents(path: Path) -> None:
+    """Refuse ``path`` (resolved) unless every folder above it belongs to the user or root
+    and is not writable by group or others, or is sticky (like /tmp)."""
+    uid = os.getuid()
+    for parent in path.parents:
+        st = os.lstat(parent)
+        mode = stat.S_IMODE(st.st_mode)
+        if st.st_uid not in (uid, 0):
+            raise BuildError(f"build cache directory {path} lies under {parent}, owned by uid "
+                             f"{st.st_uid} (neither you, uid {uid}, nor root); refusing to load "
+                             f"native code from it. Set {CACHE_DIR_ENV} to a directory of your "
+                             f"own")
+        if mode & (stat.S_IWGRP | stat.S_IWOTH) and not mode & stat.S_ISVTX:
+            raise BuildError(f"build cache directory {path} lies under {parent}, mode "
+                             f"{mode:#o} (writable by group or others, not sticky): others "
+                             f"could swap the path. Set {CACHE_DIR_ENV} to a directory of "
+                             f"your own")
+
+
+def _secure_dir(path: Path) -> Path:
+    """Create ``path`` (mode 0o700, parents too) if needed and refuse it unless it is a
+    directory owned by the current user and not writable by group or others, under folders
+    no one else can change (see :func:`_check_parents`). Returns it with symlinks resolved."""
+    path = Path(os.path.abspath(path))
+    try:
+        _make_private_dirs(path)
+        real = path.resolve(strict=True)
     except OSError as exc:
         raise BuildError(f"cannot create the build cache directory {path}: {exc}; "
                          f"set {CACHE_DIR_ENV} to a directory of your own") from exc
-    st = os.stat(path)
+    st = os.lstat(real)
     if not stat.S_ISDIR(st.st_mode):
         raise BuildError(f"build cache path {path} is not a directory; "
                          f"set {CACHE_DIR_ENV} to a directory of your own")
@@ -126,7 +255,8 @@ def _secure_dir(path: Path) -> Path:
         raise BuildError(f"build cache directory {path} has mode {mode:#o} (writable by group or "
                          f"others); refusing to load native code from it. Run "
                          f"'chmod 700 {path}' or set {CACHE_DIR_ENV} to a directory of your own")
-    return path
+    _check_parents(real)
+    return real
 
 
 @contextlib.contextmanager
@@ -150,7 +280,10 @@ def _build_into(entry: Path, build: Callable[[Path], None]) -> None:
         build(tmp)
         if not tmp.is_file() or tmp.stat().st_size == 0:
             raise BuildError(f"building {entry.name} produced no output (expected a file at {tmp})")
-        tmp_sidecar.write_text(_sha256_file(tmp) + "\n")
+        os.chmod(tmp, 0o700)  # the compiler made it with the umask's mode: the user's only
+        fd = os.open(tmp_sidecar, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(_sha256_file(tmp) + "\n")
         # Library first: a crash between the two leaves a mismatched sidecar, which the next
         # caller detects and rebuilds.
         os.replace(tmp, entry)

@@ -10,6 +10,11 @@ from __future__ import annotations
 
 from typing import Any
 
+#: what to install when kvcore finds no backend at all
+NO_PLUGIN_HINT = ("kvcore alone has no backend; install kvio-reference (pure torch, any device, "
+                  "the oracle) and the plugin of your GPU, kvio-cuda (NVIDIA) or kvio-rocm "
+                  "(AMD); from a checkout: pip install -e plugins/kvio_reference")
+
 
 class KVCoreError(Exception):
     """Base class of every error kvcore raises on purpose."""
@@ -55,13 +60,25 @@ class NoBackend(KVCoreError, LookupError):
         self.reasons = dict(reasons)
         lines = [f"no backend can serve {request}"]
         if not reasons:
-            lines.append("  (no backends are registered; is kvio_reference installed?)")
+            lines.append(f"  (no backends are registered: {NO_PLUGIN_HINT})")
         lines += [f"  {name}: {why}" for name, why in sorted(reasons.items())]
         super().__init__("\n".join(lines))
 
 
 class PluginLoadError(KVCoreError, ImportError):
-    """A plugin could not be imported or registered (fatal only when asked for or strict)."""
+    """A plugin could not be imported or registered (fatal only when asked for or strict).
+
+    ``plugin_traceback`` holds the plugin's own traceback where there is one (the message
+    stays one line; ``kvio`` prints the traceback under KVCORE_STRICT=1).
+    """
+
+    def __init__(self, message: str, plugin_traceback: str | None = None) -> None:
+        super().__init__(message)
+        self.plugin_traceback = plugin_traceback
+
+
+class MissingDependency(KVCoreError, ImportError):
+    """An optional dependency a command needs is not installed (the message says which)."""
 
 
 class ApiVersionMismatch(PluginLoadError):

@@ -4,14 +4,23 @@ Plugins are found through the ``kvcore.backends`` entry-point group and register
 pluggy. Environment variables, read at discovery:
 
 ``KVCORE_PLUGINS``
-    Comma-separated allow-list of entry-point names to import. Unset: all installed plugins.
-    Empty string: none besides ``reference``. This is how to keep untrusted installed
-    packages from being imported at all.
+    Comma-separated allow-list of plugins to import, each ``NAME`` (the entry point) or
+    ``NAME@DISTRIBUTION`` (that entry point of that distribution only). Unset: all installed
+    plugins. Empty string: none besides ``reference``. This is how to keep untrusted
+    installed packages from being imported at all: the decision is made from the installed
+    metadata (entry point and distribution names), before anything is imported.
 ``KVCORE_BACKEND``
     Force one backend by name for every request (same as the ``backend=`` argument).
 ``KVCORE_STRICT``
     ``1``: a plugin that fails to import or register is fatal instead of reported and
     skipped. Meant for plugin authors and CI.
+
+Names are claimed, never raced for: the shipped plugins' entry-point names (``reference``,
+``cuda``, ``rocm``) are trusted only from their own distributions (:data:`SHIPPED`), and
+another distribution claiming one of them is an impostor, refused without being imported.
+Any other name claimed by two distributions is refused for both (pin one with
+``NAME@DISTRIBUTION``), never resolved by import order. Refusals are listed by
+:meth:`Registry.refused` and ``kvio backends``.
 
 Selection (:meth:`Registry.resolve`): an explicit name wins; otherwise the available backend
 of highest priority whose capabilities cover the request, ties broken by name. When nothing
@@ -23,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import threading
 import traceback
 from collections.abc import Iterator
@@ -70,6 +80,24 @@ except ImportError:  # pragma: no cover
 
 ENTRY_POINT_GROUP = "kvcore.backends"
 REFERENCE = "reference"
+
+#: entry-point name -> the (normalized) distribution that ships it; no other may claim it
+SHIPPED = {"reference": "kvio-reference", "cuda": "kvio-cuda", "rocm": "kvio-rocm"}
+
+
+def normalize_distribution(name: str) -> str:
+    """A distribution name as packaging compares them (PEP 503): ``Kvio_Reference`` gives
+    ``kvio-reference``."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+@attrs.frozen
+class RefusedPlugin:
+    """An installed entry point that was not imported because its name is not its own."""
+
+    name: str
+    distribution: str | None
+    reason: str
 
 
 @attrs.frozen
@@ -124,6 +152,7 @@ class Registry:
         self._pm.add_hookspecs(hookspecs)
         self._backends: dict[str, Registered] = {}
         self._broken: dict[str, BrokenPlugin] = {}
+        self._refused: dict[tuple[str, str | None], RefusedPlugin] = {}
         self._availability: dict[str, Availability] = {}
         self._instances: dict[tuple[str, str], object] = {}
         self._discovered = False
@@ -132,25 +161,88 @@ class Registry:
     # -- discovery -------------------------------------------------------------------------
 
     def allowed_plugins(self) -> set[str] | None:
-        """The KVCORE_PLUGINS allow-list (None when unset: everything is allowed)."""
+        """The entry-point names of the KVCORE_PLUGINS allow-list (None when unset:
+        everything is allowed); see :meth:`allow_list` for the distributions."""
+        allow = self.allow_list()
+        return None if allow is None else set(allow)
+
+    def allow_list(self) -> dict[str, frozenset[str]] | None:
+        """KVCORE_PLUGINS as entry-point name -> the normalized distributions it is trusted
+        from (empty: whichever one distribution claims it). None when unset. ``reference``
+        is always in it."""
         raw = self._environ.get("KVCORE_PLUGINS")
         if raw is None:
             return None
-        return {p.strip() for p in raw.split(",") if p.strip()} | {REFERENCE}
+        allow: dict[str, set[str]] = {REFERENCE: set()}
+        for item in (p.strip() for p in raw.split(",")):
+            if not item:
+                continue
+            name, _, dist = (part.strip() for part in item.partition("@"))
+            pins = allow.setdefault(name, set())
+            if dist:
+                pins.add(normalize_distribution(dist))
+        return {name: frozenset(pins) for name, pins in allow.items()}
 
     def discover(self) -> None:
-        """Import allowed entry points and register their backends (once; idempotent)."""
+        """Import allowed entry points and register their backends (once; idempotent).
+
+        Which entry points are imported is decided from the installed metadata alone (see
+        the module's docstring); refused ones are recorded in :meth:`refused`.
+        """
         with self._lock:
             if self._discovered:
                 return
             self._discovered = True
-            allowed = self.allowed_plugins()
-            eps = sorted(metadata.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name)
-            for ep in eps:
-                if allowed is not None and ep.name not in allowed:
-                    continue
-                dist = getattr(getattr(ep, "dist", None), "name", None)
-                self._load_entry_point(ep, dist)
+            self._refused = {}
+            for name, claims in self._claims().items():
+                chosen = self._trusted_claim(name, claims)
+                if chosen is not None:
+                    self._load_entry_point(*chosen)
+
+    def _claims(self) -> dict[str, list[tuple[metadata.EntryPoint, str | None]]]:
+        """Installed entry points by name, each with its distribution (one per distribution)."""
+        claims: dict[str, list[tuple[metadata.EntryPoint, str | None]]] = {}
+        for ep in sorted(metadata.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
+            dist = getattr(getattr(ep, "dist", None), "name", None)
+            same = claims.setdefault(ep.name, [])
+            if not any(_same_dist(dist, d) for _, d in same):
+                same.append((ep, dist))
+        return claims
+
+    def _trusted_claim(self, name: str, claims: list[tuple[metadata.EntryPoint, str | None]],
+                       ) -> tuple[metadata.EntryPoint, str | None] | None:
+        """The one claim of ``name`` to import, or None; refusals are recorded."""
+        owner = SHIPPED.get(name)
+        if owner is not None:
+            for _, dist in claims:
+                if not _same_dist(dist, owner):
+                    self._refuse(name, dist, f"entry point {name!r} belongs to the shipped "
+                                             f"distribution {owner}, not to {dist or 'unknown'}"
+                                             f" (an impostor); not imported")
+            claims = [c for c in claims if _same_dist(c[1], owner)]
+        allow = self.allow_list()
+        if allow is not None:
+            if name not in allow:
+                return None
+            pins = allow[name]
+            if pins:
+                for _, dist in claims:
+                    if dist is None or normalize_distribution(dist) not in pins:
+                        self._refuse(name, dist, f"KVCORE_PLUGINS trusts {name!r} only from "
+                                                 f"{', '.join(sorted(pins))}; not imported")
+                claims = [c for c in claims
+                          if c[1] is not None and normalize_distribution(c[1]) in pins]
+        if len(claims) > 1:
+            dists = ", ".join(str(d) for _, d in claims)
+            for _, dist in claims:
+                self._refuse(name, dist, f"entry point {name!r} is claimed by {len(claims)} "
+                                         f"distributions ({dists}); none imported. Trust one "
+                                         f"with KVCORE_PLUGINS={name}@DISTRIBUTION")
+            return None
+        return claims[0] if claims else None
+
+    def _refuse(self, name: str, dist: str | None, reason: str) -> None:
+        self._refused[(name, dist)] = RefusedPlugin(name, dist, reason)
 
     def _load_entry_point(self, ep: metadata.EntryPoint, dist: str | None) -> None:
         try:
@@ -172,7 +264,8 @@ class Registry:
             self._broken[ep.name] = broken
             if _strict(self._environ):
                 self._discovered = False  # stay fatal on the next query, not half-discovered
-                raise PluginLoadError(broken.reason + " (KVCORE_STRICT=1)") from exc
+                raise PluginLoadError(broken.reason + " (KVCORE_STRICT=1)",
+                                      plugin_traceback=broken.traceback) from exc
 
     def register(self, spec: BackendSpec, source: str = "in-process",
                  distribution: str | None = None) -> None:
@@ -219,6 +312,12 @@ class Registry:
         self.discover()
         return sorted(self._broken.values(), key=lambda b: b.name)
 
+    def refused(self) -> list[RefusedPlugin]:
+        """Installed entry points refused without being imported (impostors of a shipped
+        name, names claimed twice, distributions KVCORE_PLUGINS does not trust)."""
+        self.discover()
+        return sorted(self._refused.values(), key=lambda r: (r.name, r.distribution or ""))
+
     def availability(self, name: str) -> Availability:
         """The (cached) result of the backend's availability probe."""
         rec = self.get(name)
@@ -234,7 +333,11 @@ class Registry:
             return self._backends[name]
         for broken in self._broken.values():
             if broken.name == name:
-                raise PluginLoadError(broken.reason + "\n" + broken.traceback) from broken.error
+                raise PluginLoadError(broken.reason,
+                                      plugin_traceback=broken.traceback) from broken.error
+        refusals = [r.reason for r in self._refused.values() if r.name == name]
+        if refusals and name not in self._backends:
+            raise PluginLoadError(f"plugin {name!r} was not imported: " + "; ".join(refusals))
         known = ", ".join(sorted(self._backends)) or "none"
         raise NoBackend(f"backend {name!r}", {name: f"not registered (registered: {known})"})
 
@@ -284,6 +387,8 @@ class Registry:
             chosen, variants = rec, fits
         for broken in self.broken():
             reasons[f"plugin:{broken.name}"] = broken.reason
+        for refused in self.refused():
+            reasons[f"plugin:{refused.name}@{refused.distribution}"] = refused.reason
         return Resolution(request, chosen, variants, reasons, tuple(order), forced)
 
     def _refusal(self, rec: Registered,
@@ -321,6 +426,12 @@ class Registry:
         return TransferPlan(request=request, backend_name=name, backend_version=caps.version,
                             host_memory=caps.host_memory, variants=res.variants,
                             instance=lambda: self.instance(name, request.device))
+
+
+def _same_dist(a: str | None, b: str | None) -> bool:
+    if a is None or b is None:
+        return a is b
+    return normalize_distribution(a) == normalize_distribution(b)
 
 
 _default: Registry | None = None

@@ -9,7 +9,7 @@
 #
 # DEADLINE_S bounds the whole run (each step's limit shrinks to fit), so the results are
 # always packed. The seed table may take longer than one run: SEED_ARGS narrows it and
-# SEED_TAG names its files (bench_seed_TAG.json), and `kvio bench --merge` joins the runs.
+# SEED_TAG names its files (bench_seed_TAG.jsonl.gz), and `kvio bench --merge` joins the runs.
 # The seed bench stops starting cases SEED_MARGIN_S (default 60) before the deadline; the
 # pure-torch reference is slow: SEED_REFERENCE_REPEAT=1 times its rows by their oracle call
 # alone (then the whole table with the reference took 457 s on an H200).
@@ -59,12 +59,12 @@ controller)  # the path an engine calls: queues of controller calls (the README'
     step bench_controller ${CONTROLLER_S:-400} "${KVIO[@]}" bench --through controller --backend cuda --layout ${CONTROLLER_LAYOUTS:-page_first} --markdown "$R/bench_controller.md" --json "$R/bench_controller.json"
     ;;
 bench)
-    step bench_single_page 60 "${KVIO[@]}" bench --through kernel --preset single-page --backend cuda --backend reference --markdown "$R/bench_single_page.md" --json "$R/bench_single_page.json"
+    step bench_single_page 60 "${KVIO[@]}" bench --through kernel --preset single-page --backend cuda --backend reference --markdown "$R/bench_single_page.md" --json "$R/bench_single_page.jsonl.gz"
     ;;
 seed)
     tag=${SEED_TAG:-all}
     budget=$(( ${DEADLINE_S:-100000} - SECONDS - ${SEED_MARGIN_S:-60} ))
-    step "bench_seed_$tag" ${SEED_S:-3600} "${KVIO[@]}" bench --through kernel --preset seed --layout ${SEED_LAYOUTS:-page_first,layer_first} ${SEED_ARGS:-} --backend cuda --backend reference --warmup ${BENCH_WARMUP:-1} --repeat 5 ${SEED_REFERENCE_REPEAT:+--reference-repeat "$SEED_REFERENCE_REPEAT"} --time-limit "$budget" --markdown "$R/bench_seed_$tag.md" --json "$R/bench_seed_$tag.json"
+    step "bench_seed_$tag" ${SEED_S:-3600} "${KVIO[@]}" bench --through kernel --preset seed --layout ${SEED_LAYOUTS:-page_first,layer_first} ${SEED_ARGS:-} --backend cuda --backend reference --warmup ${BENCH_WARMUP:-1} --repeat 5 ${SEED_REFERENCE_REPEAT:+--reference-repeat "$SEED_REFERENCE_REPEAT"} --time-limit "$budget" --markdown "$R/bench_seed_$tag.md" --json "$R/bench_seed_$tag.jsonl.gz"
     ;;
 replay)
     step replay_cuda 120 "${KVIO[@]}" replay --device cuda --min-transfers 1000000 --concurrency 128 --sessions 1024 --log "$R/replay_cuda.jsonl"
@@ -106,7 +106,7 @@ dma)
     ;;
 quick)
     budget=$(( ${DEADLINE_S:-100000} - SECONDS - ${SEED_MARGIN_S:-60} ))
-    step bench_quick ${SEED_S:-3600} "${KVIO[@]}" bench --through kernel --preset seed --backend cuda ${QUICK_ARGS:---op load_layer,write_back --layout page_first,layer_first --num-layers 16,48,72,80} --warmup ${BENCH_WARMUP:-1} --repeat 5 --time-limit "$budget" --markdown "$R/bench_quick.md" --json "$R/bench_quick.json"
+    step bench_quick ${SEED_S:-3600} "${KVIO[@]}" bench --through kernel --preset seed --backend cuda ${QUICK_ARGS:---op load_layer,write_back --layout page_first,layer_first --num-layers 16,48,72,80} --warmup ${BENCH_WARMUP:-1} --repeat 5 --time-limit "$budget" --markdown "$R/bench_quick.md" --json "$R/bench_quick.jsonl.gz"
     ;;
 *) echo "unknown stage $stage"; exit 2;;
 esac; done

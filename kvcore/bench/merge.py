@@ -7,7 +7,9 @@ runs on the same machine gives one table whose ratios keep their meaning.
 
 from __future__ import annotations
 
+import gzip
 import json
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -19,11 +21,42 @@ from kvcore.errors import InvalidArgument
 from kvcore.layout import Kind, Layout, Op, parse_enum
 
 
-def load(path: str) -> tuple[BenchResult, str]:
-    """The result and the command line stored in one ``--json`` file."""
+def read_document(path: str) -> Any:
+    """The document of one ``kvio bench --json`` file, in any form it writes: one JSON
+    document, or JSON lines (the document without its rows, then one row per line), either
+    of them gzip-compressed. The form is read from the bytes, not from the file name.
+
+    Raises OSError, or ValueError for bytes that are none of these.
+    """
+    with open(path, "rb") as f:
+        data = f.read()
+    if data[:2] == GZIP_MAGIC:
+        data = gzip.decompress(data)
+    text = data.decode("utf-8")
     try:
-        with open(path, encoding="utf-8") as f:
-            facts = json.load(f)
+        return json.loads(text)
+    except json.JSONDecodeError as whole:
+        lines = [line for line in text.splitlines() if line.strip()]
+        try:
+            head = json.loads(lines[0]) if lines else None
+        except json.JSONDecodeError:
+            raise whole from None
+        if not isinstance(head, dict) or "rows" in head:
+            raise
+        rows = []
+        for number, line in enumerate(lines[1:], start=2):
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"line {number}: {exc}") from None
+        return {**head, "rows": rows}
+
+
+def load(path: str) -> tuple[BenchResult, str]:
+    """The result and the command line stored in one ``--json`` file (see
+    :func:`read_document` for the forms read)."""
+    try:
+        facts = read_document(path)
     except (OSError, ValueError) as exc:
         raise InvalidArgument("--merge", "a readable kvio bench JSON file",
                               f"{path}: {exc}") from exc
@@ -36,13 +69,17 @@ def load(path: str) -> tuple[BenchResult, str]:
         named = [_case(c) for c in facts.get("not_run_cases", [])]
         result = BenchResult(rows=rows, machine=facts["machine"], backends=facts["backends"],
                              settings=facts["settings"], started=facts["started"],
-                             elapsed_s=facts["elapsed_s"], not_run_cases=named,
+                             elapsed_s=_duration("elapsed_s", facts["elapsed_s"]),
+                             not_run_cases=named,
                              not_run_unnamed=max(0, facts.get("not_run", 0) - len(named)))
         return result, facts["command"]
-    except (KeyError, TypeError) as exc:
+    except (KeyError, TypeError, ValueError) as exc:
+        what = f"missing or malformed {exc}" if isinstance(exc, KeyError) else f"malformed: {exc}"
         raise InvalidArgument("--merge", "every field of kvcore.bench/1",
-                              f"{path}: missing or malformed {exc}") from exc
+                              f"{path}: {what}") from exc
 
+
+GZIP_MAGIC = b"\x1f\x8b"
 
 #: the settings that say how a row was timed; merged runs must agree on every one
 TIMING_SETTINGS = ("timer", "stream", "warmup", "warmup_per", "repeat", "reference_repeat")
@@ -109,4 +146,17 @@ def _row(facts: dict[str, Any]) -> Row:
 
 
 def _timing(facts: dict[str, Any] | None) -> Timing | None:
-    return None if facts is None else Timing(tuple(float(x) for x in facts["samples_ms"]))
+    if facts is None:
+        return None
+    samples = facts["samples_ms"]
+    if not isinstance(samples, list) or not samples:
+        raise ValueError(f"samples_ms must be a non-empty list, got {samples!r}")
+    return Timing(tuple(_duration("samples_ms", x) for x in samples))
+
+
+def _duration(field: str, value: object) -> float:
+    """A time read from a file: a finite, non-negative number (NaN, inf, negative refused)."""
+    if isinstance(value, bool) or not isinstance(value, int | float) \
+            or not math.isfinite(value) or value < 0:
+        raise ValueError(f"{field} holds {value!r}, not a finite non-negative time")
+    return float(value)

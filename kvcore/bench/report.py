@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 from collections.abc import Sequence
 from typing import Any
@@ -14,6 +15,7 @@ from kvcore.bench.slowdown import (
     Tolerances,
     worst_spread,
 )
+from kvcore.bench.timing import Timing
 
 MIB = 2**20
 
@@ -44,7 +46,7 @@ def table_rows(rows: Sequence[Row], latency: bool = False) -> tuple[list[str], l
         line = [r.backend, c.op.value, c.kind.value, layout,
                 str(c.dtype).removeprefix("torch."), str(c.page_size), str(c.batch_pages),
                 str(c.num_layers), str(c.element_dim), _num(c.bytes_moved / MIB, 3),
-                _num(t.median_ms if t else None, 3), _num(t.spread_pct if t else None, 0),
+                _num(t.median_ms if t else None, 3), spread_cell(t),
                 _num(r.gib_s), _num(r.ceiling_gib_s), _num(r.ratio),
                 "-" if r.speedup is None else f"{r.speedup:.2f}x"]
         if latency:
@@ -52,6 +54,46 @@ def table_rows(rows: Sequence[Row], latency: bool = False) -> tuple[list[str], l
         line.append(r.status)
         cells.append(line)
     return header, cells
+
+
+#: a sample this many times the median is an outlier (a preemption, not the transfer)
+OUTLIER = 2.0
+
+#: the widest spread% a table shows as a number
+SPREAD_SHOWN = 999
+
+
+def outliers(t: Timing) -> int:
+    """How many samples of ``t`` took more than OUTLIER times its median."""
+    med = t.median_ms
+    return sum(1 for x in t.samples_ms if med > 0 and x > OUTLIER * med)
+
+
+def spread_cell(t: Timing | None) -> str:
+    """spread% as the tables show it, readable however one sample went.
+
+    On a shared CPU one timed call preempted for tens of milliseconds makes (max - min) /
+    median run to thousands of percent. A row with exactly one outlier (OUTLIER x the median)
+    shows the spread of its other samples with ``*`` (the footnote says so; the JSON keeps
+    every sample); a spread still over SPREAD_SHOWN % reads ``>999``.
+    """
+    if t is None:
+        return "-"
+    spread, mark = t.spread_pct, ""
+    if outliers(t) == 1 and len(t.samples_ms) >= 3:
+        rest = sorted(t.samples_ms)[:-1]
+        spread, mark = Timing(tuple(rest)).spread_pct, "*"
+    text = f">{SPREAD_SHOWN}" if spread > SPREAD_SHOWN else f"{spread:.0f}"
+    return text + mark
+
+
+def spread_note(rows: Sequence[Row]) -> list[str]:
+    """The footnote of the rows whose spread% leaves one outlier out (none: no line)."""
+    flagged = sum(1 for r in rows if r.timing is not None and spread_cell(r.timing).endswith("*"))
+    if not flagged:
+        return []
+    return [f"* spread% without the one sample over {OUTLIER:g}x the median in {flagged} row(s) "
+            "(a call preempted by the host); the JSON keeps every sample"]
 
 
 def failures(rows: Sequence[Row]) -> list[str]:
@@ -147,7 +189,7 @@ def text_table(result: BenchResult, latency: bool = False) -> str:
     if fails:
         lines += ["", "not timed:", *(f"  {f}" for f in fails)]
     lines += ["", "ratio = achieved GiB/s / ceiling GiB/s (one contiguous copy of the same "
-                  "bytes); speedup = reference time / backend time"]
+                  "bytes); speedup = reference time / backend time", *spread_note(result.rows)]
     return "\n".join(lines)
 
 
@@ -167,7 +209,8 @@ def markdown(result: BenchResult, command: str, latency: bool = False) -> str:
     if fails:
         out += ["", "Not timed:", "", *(f"- {f}" for f in fails)]
     out += ["", "ratio = achieved GiB/s / ceiling GiB/s (one contiguous copy of the same bytes "
-                "between the same memories); speedup = reference time / backend time.", ""]
+                "between the same memories); speedup = reference time / backend time.",
+            *(["", *spread_note(result.rows)] if spread_note(result.rows) else []), ""]
     return "\n".join(out)
 
 
@@ -175,6 +218,24 @@ def to_json(result: BenchResult, command: str) -> str:
     """The full records (validated by ``kvcore/schemas/bench.schema.json``)."""
     facts: dict[str, Any] = {**result.facts(), "command": command}
     return json.dumps(facts, indent=2)
+
+
+def to_json_lines(result: BenchResult, command: str) -> str:
+    """The records of :func:`to_json` as JSON lines: the document without its rows on the
+    first line, then one compact line per row (``kvio bench --merge`` reads both)."""
+    facts: dict[str, Any] = {**result.facts(), "command": command}
+    rows = facts.pop("rows")
+    return "\n".join(json.dumps(obj, separators=(",", ":")) for obj in (facts, *rows)) + "\n"
+
+
+def json_bytes(result: BenchResult, command: str, path: str) -> bytes:
+    """The ``--json`` file for ``path``, in the form its name asks for: ``.jsonl`` JSON lines,
+    ``.json`` one indented document, either with ``.gz`` gzip-compressed (reproducibly)."""
+    name = path.removesuffix(".gz")
+    text = (to_json_lines(result, command) if name.endswith(".jsonl")
+            else to_json(result, command) + "\n")
+    data = text.encode("utf-8")
+    return gzip.compress(data, mtime=0) if path.endswith(".gz") else data
 
 
 def schema() -> dict[str, Any]:

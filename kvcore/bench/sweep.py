@@ -203,11 +203,16 @@ def override(sweep: Sweep, **axes: list[str] | None) -> Sweep:
     return attrs.evolve(sweep, **changes)
 
 
+#: sweep axis -> the option (``--page-size``) and argument name it comes from
+_OPTION = {"page_sizes": "page_size", "element_dims": "element_dim"}
+
+
 def _positive_int(axis: str, value: str) -> int:
     try:
         n = int(value)
     except ValueError:
         n = 0
     if n <= 0:
-        raise InvalidArgument(axis, "positive integers", repr(value))
+        option = _OPTION.get(axis, axis)  # the name the caller typed: page_size, not page_sizes
+        raise InvalidArgument(option, "positive integers", repr(value))
     return n

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from kvcore.errors import KVCoreError
@@ -30,12 +31,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: commands that use installed backends, so KVCORE_BACKEND is checked before they start
+USES_BACKENDS = frozenset({"backends", "check", "replay", "bench", "build"})
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run ``kvio``; a refusal is one line on stderr, ``kvio CMD: ErrorType: message``, and
+    exit status 2 (under KVCORE_STRICT=1 a plugin's traceback follows the line)."""
     args = build_parser().parse_args(argv)
     try:
+        if args.command in USES_BACKENDS:
+            from kvcore.cli.common import check_forced_backend
+            from kvcore.registry import default_registry
+
+            check_forced_backend(default_registry())
         return int(args._run(args) or 0)
     except KVCoreError as exc:
         print(f"kvio {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        plugin_traceback = getattr(exc, "plugin_traceback", None)
+        if plugin_traceback and os.environ.get("KVCORE_STRICT", "").strip() not in ("", "0"):
+            print(plugin_traceback.rstrip("\n"), file=sys.stderr)
         return 2
 
 

@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from typing import Any
 
 import torch
 
 from kvcore.capabilities import Unavailable
+from kvcore.cli.common import parse_device
+from kvcore.errors import NO_PLUGIN_HINT
 from kvcore.layout import Kind, Layout, Op
 from kvcore.plan import dtype_name
 from kvcore.registry import Registry, default_registry, make_request
-from kvcore.streams import resolve_device
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
@@ -32,12 +34,6 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                    help="torch device (default: the accelerator if there is one, else cpu)")
     p.add_argument("--backend", default=None, help="force a backend, as KVCORE_BACKEND does")
     return p
-
-
-def default_device() -> torch.device:
-    """The current accelerator if torch has one, else the CPU."""
-    acc = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
-    return resolve_device(acc.type) if acc else torch.device("cpu")
 
 
 def backend_facts(registry: Registry) -> list[dict[str, Any]]:
@@ -74,12 +70,20 @@ def backend_facts(registry: Registry) -> list[dict[str, Any]]:
     for b in registry.broken():
         out.append({"name": b.name, "distribution": b.distribution, "available": False,
                     "reason": b.reason, "broken": True, "ops": []})
+    for r in registry.refused():
+        out.append({"name": r.name, "distribution": r.distribution, "available": False,
+                    "reason": r.reason, "refused": True, "ops": []})
     return out
 
 
 def _table(facts: list[dict[str, Any]]) -> str:
     lines = []
     for f in facts:
+        if f.get("refused"):
+            lines.append(f"{f['name']} from {f['distribution'] or 'an unknown distribution'} "
+                         f"REFUSED (not imported)")
+            lines.append(f"    why: {f['reason']}")
+            continue
         state = "available" if f["available"] else "UNAVAILABLE"
         head = f"{f['name']} {f.get('version', '?')} [{f.get('platform', '?')}, " \
                f"priority {f.get('priority', '-')}] {state}"
@@ -117,11 +121,14 @@ def run(args: argparse.Namespace) -> int:
         return _explain(args, registry)
     facts = backend_facts(registry)
     print(json.dumps(facts, indent=2) if args.json else _table(facts))
+    if not facts:  # kvcore without any plugin: say what to install
+        print(f"kvio backends: no backend is installed: {NO_PLUGIN_HINT}", file=sys.stderr)
+        return 1
     return 0
 
 
 def _explain(args: argparse.Namespace, registry: Registry) -> int:
-    device = torch.device(args.device) if args.device else default_device()
+    device = parse_device(args.device)
     dtype = getattr(torch, args.dtype, None)
     if not isinstance(dtype, torch.dtype):
         raise SystemExit(f"kvio backends: --dtype {args.dtype!r} is not a torch dtype")

@@ -16,9 +16,10 @@ import torch
 from kvcore.bench import queue, report
 from kvcore.bench.runner import Bench, BenchResult
 from kvcore.bench.sweep import PRESETS, Case, expand, override
-from kvcore.cli.backends import default_device
+from kvcore.cli.common import check_fits, check_output_path, parse_device, require_backend
 from kvcore.layout import Kind, Layout, parse_enum
-from kvcore.registry import default_registry
+from kvcore.plan import dtype_name
+from kvcore.registry import REFERENCE, default_registry
 from kvcore.streams import has_streams
 
 #: option -> Sweep field it overrides
@@ -61,7 +62,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--time-limit", type=float, default=None, metavar="SECONDS",
                    help="start no new case after SECONDS; the report then says how many "
                         "cases were not run (SIGTERM and Ctrl-C stop the same way)")
-    p.add_argument("--json", metavar="FILE", help="write full records as JSON ('-': stdout)")
+    p.add_argument("--json", metavar="FILE",
+                   help="write full records as JSON ('-': stdout); FILE.jsonl writes one line "
+                        "per row, FILE.jsonl.gz (or .json.gz) compresses it")
     p.add_argument("--markdown", metavar="FILE", help="write the table as markdown")
     p.add_argument("--plot", metavar="FILE.png", help="plot GiB/s and ratio (needs matplotlib)")
     p.add_argument("--quiet", action="store_true", help="no progress bar and no table")
@@ -75,7 +78,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                         "1,4 on the CPU)")
     p.add_argument("--merge", nargs="+", metavar="FILE.json", default=None,
                    help="measure nothing: join the rows of earlier --json files (runs of one "
-                        "sweep on one machine) and write the reports from them")
+                        "sweep on one machine, in any --json form: .json, .jsonl, .gz) and "
+                        "write the reports from them")
     return p
 
 
@@ -103,16 +107,22 @@ def command_line(args: argparse.Namespace) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    for option in ("json", "markdown", "plot"):  # before the sweep, not after it
+        check_output_path(f"--{option}", getattr(args, option))
     if args.merge:
         return _merge(args)
     cases = _cases(args) if args.through != "controller" else []
-    device = torch.device(args.device) if args.device else default_device()
+    device = parse_device(args.device)
+    for name in _split(args.backend) or []:
+        require_backend(default_registry(), name, "--backend")
     bench = Bench(registry=default_registry(), device=device, cases=cases,
                   backends=_split(args.backend), warmup=args.warmup, repeat=args.repeat,
                   seed=args.seed, settings={"preset": args.preset},
                   time_limit_s=args.time_limit, reference_repeat=args.reference_repeat,
                   retime=args.retime)
-    total = len(cases) * len(bench.backend_names())
+    names = bench.backend_names()
+    _check_memory(cases, names, device)
+    total = len(cases) * len(names)
     quiet = args.quiet or args.json == "-"
     mode = "off" if quiet else "bar" if sys.stdout.isatty() else "lines"
     queues = _queue_cases(args, device) if args.through != "kernel" else []
@@ -141,6 +151,23 @@ def _queue_cases(args: argparse.Namespace, device: torch.device) -> list[queue.Q
     layers = _split(args.num_layers)
     return queue.queue_cases(pages, kinds, layouts, budget,  # type: ignore[arg-type]
                              num_layers=int(layers[0]) if layers else 32 if on_gpu else 8)
+
+
+def _check_memory(cases: list[Case], names: list[str], device: torch.device) -> None:
+    """Refuse, before anything is allocated, a sweep whose largest geometry cannot fit: the
+    initial and expected pools, and one pool pair per other backend, each a device pool and
+    a host pool (a lower bound: staging and the ceiling's buffers come on top)."""
+    if not cases:
+        return
+    pairs = 2 + sum(1 for n in names if n != REFERENCE)
+    case = max(cases, key=lambda c: c.kv_count * c.num_layers * c.pool_tokens * c.element_bytes)
+    pool = case.kv_count * case.num_layers * case.pool_tokens * case.element_bytes
+    cpu = torch.device("cpu")
+    needs = {cpu: 2 * pairs * pool} if device.type == "cpu" else {device: pairs * pool,
+                                                                  cpu: pairs * pool}
+    what = (f"{case.kind.value} {case.num_layers} layers x {case.total_pages} pages of "
+            f"{case.page_size} x {case.element_dim} {dtype_name(case.dtype)}, {pairs} pool pairs")
+    check_fits("--total-pages", what, needs)
 
 
 def _cases(args: argparse.Namespace) -> list[Case]:
@@ -190,12 +217,11 @@ def _report(args: argparse.Namespace, result: BenchResult, cmd: str) -> None:
     latency = args.preset == "single-page"
     if not args.quiet and not json_to_stdout:
         print(report.text_table(result, latency))
-    if args.json:
-        text = report.to_json(result, cmd)
-        if json_to_stdout:
-            print(text)
-        else:
-            _write(args.json, text + "\n")
+    if json_to_stdout:
+        print(report.to_json(result, cmd))
+    elif args.json:
+        with open(args.json, "wb") as f:
+            f.write(report.json_bytes(result, cmd, args.json))
     if args.markdown:
         _write(args.markdown, report.markdown(result, cmd, latency))
     if args.plot:

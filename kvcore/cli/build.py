@@ -11,9 +11,7 @@ import argparse
 import time
 from typing import Any
 
-import torch
-
-from kvcore.cli.backends import default_device
+from kvcore.cli.common import parse_device
 from kvcore.registry import default_registry
 
 
@@ -29,7 +27,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     registry = default_registry()
-    device = torch.device(args.device) if args.device else default_device()
+    device = parse_device(args.device)
     names = args.backend or [r.name for r in registry.backends()
                              if registry.availability(r.name)
                              and r.spec.capabilities.supports_device(device)]

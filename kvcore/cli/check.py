@@ -7,7 +7,8 @@ from typing import Any
 
 import torch
 
-from kvcore.cli.backends import default_device
+from kvcore.cli.common import parse_device, require_backend
+from kvcore.errors import BackendUnavailable, MissingDependency
 from kvcore.registry import Registry, default_registry
 
 
@@ -40,10 +41,21 @@ def _runnable(registry: Registry, name: str, device: torch.device) -> str | None
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvcore.testing.runner import matrix, run_suite
+    try:
+        from kvcore.testing.runner import matrix, run_suite
+    except ImportError as exc:
+        raise MissingDependency(f"kvio check runs the conformance suite with pytest, which "
+                                f"cannot be imported ({exc}); install it with "
+                                f"pip install 'kvcore[test]'") from exc
 
     registry = default_registry()
-    device = torch.device(args.device) if args.device else default_device()
+    device = parse_device(args.device)
+    if args.name:  # asked for by name: unknown or unable to run here is an error, not a skip
+        require_backend(registry, args.name, "NAME")
+        why = _runnable(registry, args.name, device)
+        if why is not None:
+            raise BackendUnavailable(f"backend {args.name!r} cannot be checked on {device}: "
+                                     f"{why}")
     names = [args.name] if args.name else [r.name for r in registry.backends()]
     quick = True if args.quick else (False if args.full else None)
     extra = ["-v" if args.verbose else "-q", "--tb=short", "--no-header"]

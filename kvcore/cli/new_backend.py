@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from kvcore.errors import InvalidArgument
+from kvcore.registry import SHIPPED
 
 TEMPLATE = "backend"
 _NAME = re.compile(r"[a-z][a-z0-9_]*\Z")
@@ -36,6 +37,10 @@ def template_values(name: str) -> dict[str, str]:
     if not _NAME.match(name) or keyword.iskeyword(name):
         raise InvalidArgument("NAME", "lowercase letters, digits and _, starting with a letter",
                               repr(name))
+    if name in SHIPPED:
+        raise InvalidArgument("NAME", f"a name no shipped plugin uses (not "
+                                      f"{', '.join(sorted(SHIPPED))})",
+                              f"{name!r}, which would shadow {SHIPPED[name]}")
     return {
         "name": name,
         "module": f"kvio_{name}",
@@ -59,8 +64,18 @@ def _files(root: Traversable, prefix: str = "") -> list[tuple[str, Traversable]]
 def write_skeleton(name: str, target: Path) -> list[Path]:
     """Render the skeleton for ``name`` into ``target``; return the files written."""
     values = template_values(name)
+    if target.exists() and not target.is_dir():
+        raise InvalidArgument("DIR", "a new or empty directory", f"{target} (a file)")
     if target.exists() and any(target.iterdir()):
         raise InvalidArgument("DIR", "a new or empty directory", f"{target} (not empty)")
+    try:  # made (or found writable) before the first file is written
+        target.mkdir(parents=True, exist_ok=True)
+        probe = target / ".kvio-new-backend"
+        probe.touch()
+        probe.unlink()
+    except OSError as exc:
+        raise InvalidArgument("DIR", "a directory you can create and write",
+                              f"{target} ({exc.strerror or exc})") from exc
     root = resources.files("kvcore").joinpath("templates", TEMPLATE)
     written = []
     for rel, entry in _files(root):

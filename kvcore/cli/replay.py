@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from kvcore.cli.backends import default_device
+from kvcore.cli.common import check_fits, check_output_path, parse_device
 from kvcore.controller import WritePolicy
 from kvcore.errors import InvalidArgument
 from kvcore.layout import Kind, Layout
@@ -73,6 +73,9 @@ def config_from_args(args: argparse.Namespace) -> ReplayConfig:
     dtype = getattr(torch, args.dtype, None)
     if not isinstance(dtype, torch.dtype):
         raise InvalidArgument("--dtype", "a torch dtype name", repr(args.dtype))
+    if args.page_size < 1:
+        raise InvalidArgument("page_size", "a positive number of tokens per page (--page-size)",
+                              str(args.page_size))
     workload = WorkloadConfig(system_prompts=args.prompts, prompt_pages=args.prompt_pages,
                               live_sessions=args.sessions, concurrency=args.concurrency,
                               max_turns=args.max_turns, seed=args.seed)
@@ -80,7 +83,7 @@ def config_from_args(args: argparse.Namespace) -> ReplayConfig:
         workload=workload, kind=Kind(args.kind), layout=Layout(args.layout),
         num_layers=args.layers, head_num=1 if args.kind == "mla" else args.heads,
         head_dim=args.head_dim, page_size=args.page_size, dtype=dtype,
-        device=str(torch.device(args.device) if args.device else default_device()),
+        device=str(parse_device(args.device)),
         device_pages=args.device_pages, host_pages=args.host_pages,
         write_policy=WritePolicy(args.write_policy), backend=args.backend,
         min_transfers=args.min_transfers or None, max_requests=args.max_requests,
@@ -109,8 +112,24 @@ def _progress_bar(cfg: ReplayConfig, enabled: bool,
         yield update
 
 
+def _check_memory(cfg: ReplayConfig) -> None:
+    """Refuse, before anything is allocated, pools that cannot fit in memory."""
+    dev_pages, host_pages = cfg.sizes()
+    kv = 2 if cfg.kind is Kind.MHA else 1
+    page = kv * cfg.num_layers * cfg.page_size * cfg.head_num * cfg.head_dim * cfg.dtype.itemsize
+    device, cpu = torch.device(cfg.device), torch.device("cpu")
+    if device.type == "cpu":
+        needs = {cpu: (dev_pages + host_pages) * page}
+    else:
+        needs = {device: dev_pages * page, cpu: host_pages * page}
+    check_fits("--host-pages/--device-pages", f"{dev_pages} device and {host_pages} host "
+               f"pages of {page} B", needs)
+
+
 def run(args: argparse.Namespace) -> int:
+    check_output_path("--log", args.log)
     cfg = config_from_args(args)
+    _check_memory(cfg)
     with _progress_bar(cfg, not args.no_progress and sys.stderr.isatty()) as progress:
         stats = run_replay(cfg, progress=progress)
     facts = stats.as_dict()

@@ -45,8 +45,9 @@ class PageCodec:
         elif plane_bytes % 4 == 0:
             self.word = torch.int32
         else:
-            raise InvalidArgument("device pool", "pages whose bytes per layer are a multiple "
-                                  "of 4", f"{plane_bytes} B")
+            raise InvalidArgument("page_size", "a page size whose bytes per layer (page_size x "
+                                  f"{pool.element_bytes} B per token) are a multiple of 4",
+                                  f"{pool.page_size} ({plane_bytes} B)")
         n_pages = pool.size // pool.page_size
         # plane views: (pages, words) over each layer's K, then each layer's V
         self.planes = [t.view(n_pages, -1).view(self.word) for t in pool.all_buffers()]

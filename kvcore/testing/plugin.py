@@ -87,7 +87,7 @@ def pytest_configure(config: pytest.Config) -> None:
 def settings(config: pytest.Config) -> Settings:
     """The session's backend, device and profile."""
     if _settings_key not in config.stash:
-        from kvcore.cli.backends import default_device
+        from kvcore.cli.common import default_device
 
         name = (config.getoption("kvio_backend") or config.getini("kvio_backend")
                 or DEFAULT_BACKEND)

@@ -8,11 +8,17 @@ import pytest
 import torch
 
 from kvcore.capabilities import Unavailable
-from kvcore.errors import BackendUnavailable, NoBackend
+from kvcore.errors import BackendUnavailable, NoBackend, PluginLoadError
 from kvcore.layout import Layout
 from kvcore.registry import Registry, default_registry, make_request
 
-from .helpers import BROKEN_PLUGIN_SOURCE, all_ops, fake_spec, good_plugin_source
+from .helpers import (
+    BROKEN_PLUGIN_SOURCE,
+    all_ops,
+    fake_spec,
+    good_plugin_source,
+    install_fake_plugin,
+)
 
 FakePlugin = Callable[[str], tuple[str, str]]
 INSTALLED = {"reference", "cuda", "rocm"}
@@ -111,3 +117,40 @@ def test_forcing_a_backend_without_the_layout_raises_no_backend() -> None:
             reg.resolve(_request("layer_first"))
     assert info.value.reasons["narrow"] == "does not implement write_back for mha/layer_first"
     assert info.value.reasons["reference"] == "not the requested backend 'narrow'"
+
+
+@pytest.fixture
+def twins(tmp_path, monkeypatch: pytest.MonkeyPatch):
+    """Entry point ``twin`` claimed by two installed distributions, kvio-twin-a and
+    kvio-twin-b, each registering backend ``twin_a`` / ``twin_b``."""
+    import importlib
+    import sys
+
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for suffix in ("a", "b"):
+        install_fake_plugin(tmp_path, f"kvio-twin-{suffix}", "twin", f"kvio_twin_{suffix}",
+                            good_plugin_source(f"twin_{suffix}"))
+    importlib.invalidate_caches()
+    yield
+    for suffix in ("a", "b"):
+        sys.modules.pop(f"kvio_twin_{suffix}", None)
+
+
+@pytest.mark.parametrize("plugins", [None, "twin"])
+def test_a_name_claimed_by_two_distributions_is_refused_not_raced(twins, plugins) -> None:
+    reg = Registry(environ={} if plugins is None else {"KVCORE_PLUGINS": plugins})
+    names = {r.name for r in reg.backends()}
+    assert not names & {"twin_a", "twin_b"}  # neither wins by import order
+    refused = {r.distribution: r.reason for r in reg.refused()}
+    assert set(refused) == {"kvio-twin-a", "kvio-twin-b"}
+    assert all("claimed by 2 distributions" in why for why in refused.values())
+    with pytest.raises(PluginLoadError, match="claimed by 2 distributions"):
+        reg.get("twin")
+
+
+def test_name_at_distribution_pins_one_claim(twins) -> None:
+    reg = Registry(environ={"KVCORE_PLUGINS": "twin@kvio_twin_b"})
+    assert "twin_b" in {r.name for r in reg.backends()}
+    assert "twin_a" not in {r.name for r in reg.backends()}
+    assert [r.distribution for r in reg.refused()] == ["kvio-twin-a"]
+    assert "only from kvio-twin-b" in reg.refused()[0].reason

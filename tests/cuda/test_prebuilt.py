@@ -216,13 +216,22 @@ def test_the_backend_loads_the_chosen_library(wheel: Path, gpu: Any,
     import kvcore.native
 
     gpu((9, 0), "13.0")
+    import kvio_cuda.backend
+
     loaded: list[Path] = []
-    monkeypatch.setattr(kvio_cuda._native, "NativeLibrary", lambda path: loaded.append(path))
+    verified: list[tuple[Path, str | None]] = []
+    monkeypatch.setattr(kvio_cuda._native, "NativeLibrary",
+                        lambda path, lib=None: loaded.append(path))
+    monkeypatch.setattr(kvio_cuda.backend, "load_library",
+                        lambda path, sha256=None: verified.append((path, sha256)))
     monkeypatch.setattr(kvcore.native.NativeBackend, "__init__", lambda self, dev, lib: None)
     monkeypatch.setattr(build, "build_library", lambda *a, **k: pytest.fail("compiled"))
     backend = CudaBackend(torch.device("cuda", 0))
     assert loaded == [wheel / "libkvio_cuda-cu13.so"]
     assert backend.library_choice.code == "sm_90a SASS"
+    # loaded through a descriptor checked against the manifest's sha256, not by path again
+    prebuilt = backend.library_choice.prebuilt
+    assert prebuilt is not None and verified == [(loaded[0], prebuilt.sha256)]
 
 
 # ------------------------------------------------------------- availability probe

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 
-from kvcore.cli.backends import default_device
+from kvcore.cli.common import default_device
 from kvcore.native_abi import KvioReport, make_bounds
 
 DEVICE = default_device()

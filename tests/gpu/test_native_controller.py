@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvcore import DevicePool, HiCacheController, HostPool
-from kvcore.cli.backends import default_device
+from kvcore.cli.common import default_device
 from kvcore.layout import Op
 from kvcore.registry import allocate_host_pool, default_registry, make_request
 from kvcore.verify import random_fill

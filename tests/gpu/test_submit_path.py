@@ -11,7 +11,7 @@ import torch
 
 from kvcore import DevicePool, HiCacheController, HostPool
 from kvcore.capabilities import HostMemory
-from kvcore.cli.backends import default_device
+from kvcore.cli.common import default_device
 from kvcore.errors import InvalidIndices, TensorMismatch, TransferFailed
 from kvcore.layout import Geometry, Kind, Layout, Op, host_shape, layouts_for
 from kvcore.registry import allocate_host_pool, default_registry, make_request

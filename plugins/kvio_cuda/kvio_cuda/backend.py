@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from kvcore.buildcache import load_library
 from kvcore.native import NativeBackend
 
 
@@ -19,9 +20,12 @@ class CudaBackend(NativeBackend):
 
         major, minor = torch.cuda.get_device_capability(device)
         # the wheel's prebuilt library when it holds code for this GPU (sha256 checked before
-        # it is loaded), else a build on first use
+        # it is loaded), else a build on first use; loaded through the descriptor that was
+        # verified, not by path again
         self.library_choice, path = library_path(major, minor, torch.version.cuda)
-        super().__init__(device, NativeLibrary(path))
+        prebuilt = self.library_choice.prebuilt
+        lib = load_library(path, prebuilt.sha256 if prebuilt is not None else None)
+        super().__init__(device, NativeLibrary(path, lib=lib))
 
     def raw_stream(self, stream: Any) -> int:
         return int(stream.cuda_stream)

@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from kvcore.buildcache import load_library
 from kvcore.native import NativeBackend
 
 
@@ -17,7 +18,9 @@ class RocmBackend(NativeBackend):
         from kvio_rocm.build import build_library, detect_gfx_arch
 
         index = device.index if device.index is not None else torch.cuda.current_device()
-        super().__init__(device, NativeLibrary(build_library(detect_gfx_arch(index))))
+        path = build_library(detect_gfx_arch(index))
+        # loaded through the descriptor the build cache verified, not by path again
+        super().__init__(device, NativeLibrary(path, lib=load_library(path)))
 
     def raw_stream(self, stream: Any) -> int:
         # torch exposes HIP streams through its cuda namespace on ROCm builds

@@ -1,0 +1,277 @@
+"""Issue 25, item 8: every mistake on the ``kvio`` command line is one typed line and exit 2.
+
+Each case goes through the CLI entry (``kvcore.cli.main``, or a subprocess where the process
+itself must differ), and each is refused before any work: no sweep, no allocation, no file.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvcore.cli import main
+
+from .helpers import BROKEN_PLUGIN_SOURCE
+
+FakePlugin = Callable[[str], tuple[str, str]]
+
+SMALL = ["--page-size", "4", "--batch-pages", "2", "--total-pages", "4", "--element-dim", "128",
+         "--warmup", "1", "--repeat", "2", "--layout", "page_first", "--backend", "reference",
+         "--op", "write_back", "--kind", "mla", "--num-layers", "2"]
+REPLAY_SMALL = ["--device", "cpu", "--layers", "2", "--heads", "2", "--head-dim", "16",
+                "--page-size", "4", "--min-transfers", "20", "--no-progress"]
+
+
+@pytest.fixture(autouse=True)
+def _env(clean_env: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    return clean_env
+
+
+def refused(capsys: pytest.CaptureFixture[str], argv: list[str], error: str,
+            *needles: str) -> str:
+    """Run ``kvio argv``; assert exit 2 and one stderr line naming ``error``; return it."""
+    rc = main(argv)
+    out, err = capsys.readouterr()
+    assert rc == 2, (out, err)
+    lines = err.splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith(f"kvio {argv[0]}: {error}: "), lines[0]
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    return lines[0]
+
+
+# ------------------------------------------------------------------ malformed --merge files
+
+@pytest.fixture(scope="module")
+def bench_json(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    path = tmp_path_factory.mktemp("bench") / "run.json"
+    assert main(["bench", *SMALL, "--quiet", "--json", str(path)]) == 0
+    return json.loads(path.read_text())
+
+
+def _write(path: Path, doc: dict) -> str:
+    path.write_text(json.dumps(doc))  # NaN is written as NaN, as Python's json reads it
+    return str(path)
+
+
+def test_merge_of_a_truncated_file(tmp_path: Path, bench_json: dict,
+                                   capsys: pytest.CaptureFixture[str]) -> None:
+    text = json.dumps(bench_json)
+    bad = tmp_path / "cut.json"
+    bad.write_text(text[: len(text) // 2])
+    refused(capsys, ["bench", "--merge", str(bad)], "InvalidArgument", "--merge", str(bad))
+
+
+def test_merge_of_a_file_of_another_schema(tmp_path: Path, bench_json: dict,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    bad = _write(tmp_path / "other.json", {**bench_json, "schema": "kvcore.bench/0"})
+    refused(capsys, ["bench", "--merge", bad], "InvalidArgument", "kvcore.bench/1")
+    bad = _write(tmp_path / "list.json", [bench_json])  # type: ignore[arg-type]
+    refused(capsys, ["bench", "--merge", bad], "InvalidArgument", "kvcore.bench/1")
+
+
+@pytest.mark.parametrize("value", [math.nan, -1.5, math.inf])
+@pytest.mark.parametrize("where", ["timing", "ceiling"])
+def test_merge_of_nan_or_negative_timings(tmp_path: Path, bench_json: dict, value: float,
+                                          where: str,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    doc = json.loads(json.dumps(bench_json))
+    doc["rows"][0][where]["samples_ms"][0] = value
+    bad = _write(tmp_path / "bad.json", doc)
+    out = tmp_path / "merged.md"
+    refused(capsys, ["bench", "--merge", bad, "--markdown", str(out)], "InvalidArgument",
+            "samples_ms", repr(value))
+    assert not out.exists()
+
+
+# ------------------------------------------------------- report paths into a missing folder
+
+@pytest.mark.parametrize("option", ["--json", "--markdown", "--plot"])
+def test_bench_report_into_a_missing_folder_fails_before_the_sweep(
+        tmp_path: Path, option: str, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvcore.bench.runner import Bench
+
+    def no_sweep(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the sweep started")
+
+    monkeypatch.setattr(Bench, "run", no_sweep)
+    target = tmp_path / "no" / "such" / "folder" / "report.out"
+    refused(capsys, ["bench", *SMALL, option, str(target)], "InvalidArgument", option,
+            "no folder")
+
+
+def test_merge_report_into_a_missing_folder(tmp_path: Path, bench_json: dict,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    good = _write(tmp_path / "good.json", bench_json)
+    refused(capsys, ["bench", "--merge", good, "--markdown", str(tmp_path / "no" / "t.md")],
+            "InvalidArgument", "--markdown")
+
+
+def test_replay_log_into_a_missing_folder_fails_before_the_run(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import kvcore.cli.replay as replay_cli
+
+    monkeypatch.setattr(replay_cli, "run_replay", lambda *a, **k: pytest.fail("it ran"))
+    refused(capsys, ["replay", *REPLAY_SMALL, "--log", str(tmp_path / "no" / "log.json")],
+            "InvalidArgument", "--log")
+
+
+# ------------------------------------------------------------------- devices
+
+COMMANDS = {
+    "bench": ["bench", *SMALL, "--quiet"],
+    "replay": ["replay", *[a for a in REPLAY_SMALL if a not in ("--device", "cpu")]],
+    "check": ["check", "reference"],
+    "backends": ["backends", "--explain"],
+    "build": ["build"],
+}
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_cuda_device_on_a_cpu_machine(command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    refused(capsys, [*COMMANDS[command], "--device", "cuda:0"], "InvalidArgument", "--device",
+            "'cuda:0'", "no cuda device")
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_unknown_device(command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    refused(capsys, [*COMMANDS[command], "--device", "gpu7"], "InvalidArgument", "--device",
+            "'gpu7'")
+
+
+# ------------------------------------------------------------------- sizes that cannot fit
+
+def test_bench_sizes_beyond_memory_are_refused_before_allocating(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    start = time.perf_counter()
+    refused(capsys, ["bench", "--backend", "reference", "--op", "write_back", "--kind", "mha",
+                     "--layout", "page_first", "--page-size", "64", "--batch-pages", "1",
+                     "--total-pages", str(1 << 40), "--element-dim", "4096", "--num-layers",
+                     "80", "--quiet", "--device", "cpu"],
+            "InvalidArgument", "--total-pages", "fit in host memory")
+    assert time.perf_counter() - start < 30
+
+
+def test_replay_sizes_beyond_memory_are_refused_before_allocating(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    import kvcore.cli.replay as replay_cli
+
+    monkeypatch.setattr(replay_cli, "run_replay", lambda *a, **k: pytest.fail("it ran"))
+    refused(capsys, ["replay", *REPLAY_SMALL, "--host-pages", str(1 << 44)],
+            "InvalidArgument", "--host-pages", "fit in host memory")
+
+
+# ------------------------------------------------------------------- kvio check
+
+def test_check_of_an_unavailable_backend_fails(capsys: pytest.CaptureFixture[str]) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("cuda is available here")
+    refused(capsys, ["check", "cuda", "--device", "cpu"], "BackendUnavailable", "'cuda'")
+
+
+def test_check_of_an_unknown_backend_fails(capsys: pytest.CaptureFixture[str]) -> None:
+    refused(capsys, ["check", "nosuch", "--device", "cpu"], "InvalidArgument", "NAME", "nosuch")
+
+
+def test_check_without_pytest(tmp_path: Path) -> None:
+    code = ("import sys; sys.modules['pytest'] = None\n"
+            "from kvcore.cli import main; sys.exit(main(['check', 'reference', '--device', "
+            "'cpu']))")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVCORE_")}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=env, cwd=tmp_path, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("kvio check: MissingDependency: "), lines
+    assert "pytest" in lines[0] and "kvcore[test]" in lines[0]
+
+
+# ------------------------------------------------------------------- kvio new-backend
+
+def test_new_backend_into_a_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    target = tmp_path / "a-file"
+    target.write_text("mine")
+    refused(capsys, ["new-backend", "mine", str(target)], "InvalidArgument", "DIR", "a file")
+    assert target.read_text() == "mine"
+
+
+def test_new_backend_into_a_path_under_a_file(tmp_path: Path,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "a-file").write_text("mine")
+    refused(capsys, ["new-backend", "mine", str(tmp_path / "a-file" / "sub")],
+            "InvalidArgument", "DIR")
+
+
+def test_new_backend_into_an_unwritable_path(tmp_path: Path,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    if os.getuid() == 0:  # root writes anywhere a mode allows nothing; /proc refuses root too
+        target = Path("/proc/kvio-new-backend-test")
+    else:
+        locked = tmp_path / "locked"
+        locked.mkdir(mode=0o500)
+        target = locked / "skeleton"
+    refused(capsys, ["new-backend", "mine", str(target)], "InvalidArgument", "DIR",
+            "a directory you can create and write")
+    assert not target.exists()
+
+
+# ------------------------------------------------------------------- KVCORE_BACKEND
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_kvcore_backend_naming_no_backend(command: str, clean_env: pytest.MonkeyPatch,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    clean_env.setenv("KVCORE_BACKEND", "nosuch")
+    argv = [a for a in COMMANDS[command] if a != "--backend"]
+    if command == "bench":
+        argv = [a for a in argv if a != "reference"]
+    refused(capsys, argv, "InvalidArgument", "KVCORE_BACKEND", "'nosuch'", "reference")
+
+
+# ------------------------------------------------------------------- KVCORE_STRICT
+
+def test_strict_backends_shows_the_plugins_traceback(fake_plugin: FakePlugin,
+                                                     clean_env: pytest.MonkeyPatch,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    ep, _ = fake_plugin(BROKEN_PLUGIN_SOURCE)
+    clean_env.setenv("KVCORE_STRICT", "1")
+    assert main(["backends"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith("kvio backends: PluginLoadError: ") and ep in err[0]
+    assert err[1] == "Traceback (most recent call last):"
+    assert err[-1] == "RuntimeError: fake plugin exploded on import"
+
+
+def test_without_strict_a_broken_backend_by_name_is_one_line(
+        fake_plugin: FakePlugin, clean_env: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    ep, _ = fake_plugin(BROKEN_PLUGIN_SOURCE)
+    clean_env.setenv("KVCORE_BACKEND", ep)
+    refused(capsys, ["backends"], "PluginLoadError", "exploded")
+
+
+# ------------------------------------------------------------------- page_size
+
+def test_bench_page_size_error_names_page_size(capsys: pytest.CaptureFixture[str]) -> None:
+    refused(capsys, ["bench", *SMALL, "--page-size", "0"], "InvalidArgument",
+            "InvalidArgument: page_size: ")
+
+
+@pytest.mark.parametrize("page_size", ["0", "1"])
+def test_replay_page_size_error_names_page_size(page_size: str,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["replay", "--device", "cpu", "--layers", "2", "--heads", "1", "--head-dim", "1",
+            "--page-size", page_size, "--min-transfers", "20", "--no-progress"]
+    refused(capsys, argv, "InvalidArgument", "InvalidArgument: page_size: ")
