@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Install kvcore, its three plugins and the test/dev extras into ./.venv (created if absent).
+# Install kvcore, its three plugins, the SGLang integration (without SGLang) and the test/dev
+# extras into ./.venv (created if absent).
 #
 #   scripts/install.sh            # .venv with torch==2.13.0 (CPU wheel) from constraints.txt
 #   KVCORE_PYTHON_ENV=system scripts/install.sh
@@ -7,7 +8,8 @@
 #                                 # installs only the kvcore packages, without dependencies
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PKGS=(-e . -e plugins/kvio_reference -e plugins/kvio_cuda -e plugins/kvio_rocm)
+PKGS=(-e . -e plugins/kvio_reference -e plugins/kvio_cuda -e plugins/kvio_rocm
+      -e integrations/kvcore_sglang)
 
 if [ "${KVCORE_PYTHON_ENV:-venv}" = system ]; then
     python3 -m pip install -q --no-deps --no-build-isolation "${PKGS[@]}"
