@@ -34,6 +34,7 @@ PINS=(
     dill==0.4.1
     frozenlist==1.8.0
     gguf==0.19.0
+    h11==0.16.0
     httpcore2==2.16.2
     httpx2==2.16.2
     huggingface_hub==2.4.0

@@ -87,7 +87,9 @@ def _transfer(routed: Routed, op: Op, host_indices: torch.Tensor, device_indices
 
 # -- deciding, once per host pool ---------------------------------------------------------------
 
-_cache: weakref.WeakKeyDictionary[Any, Routed | Decline] = weakref.WeakKeyDictionary()
+#: id(host pool) -> (weak reference to it, decision); keyed by identity, so a pool class that
+#: defines __eq__ without __hash__ is cached too, and an entry leaves with its pool
+_cache: dict[int, tuple[weakref.ref[Any], Routed | Decline]] = {}
 _cache_lock = threading.Lock()
 _logged: set[str] = set()
 
@@ -108,16 +110,25 @@ def reset() -> None:
 
 def route_for(host: Any, kind: Kind) -> Routed | Decline:
     """The cached decision for ``host`` (an SGLang MHA or MLA host pool)."""
+    key = id(host)
     with _cache_lock:
-        found = _cache.get(host)
-        if found is None:
-            found = _decide(host, kind)
-            _cache[host] = found
-            name = type(host).__name__
-            if isinstance(found, Routed):
-                _log_once(logging.INFO, f"kvcore-sglang: {name} routed through kvcore "
-                                        f"({found.describe()})")
+        entry = _cache.get(key)
+        if entry is not None and entry[0]() is host:
+            return entry[1]
+        found = _decide(host, kind)
+        ref = weakref.ref(host, lambda _ref, key=key: _forget(key, _ref))
+        _cache[key] = (ref, found)
+        if isinstance(found, Routed):
+            _log_once(logging.INFO, f"kvcore-sglang: {type(host).__name__} routed through "
+                                    f"kvcore ({found.describe()})")
         return found
+
+
+def _forget(key: int, ref: weakref.ref[Any]) -> None:
+    # a GC callback: no lock (it may run while this thread holds it); dict ops are atomic
+    entry = _cache.get(key)
+    if entry is not None and entry[0] is ref:
+        del _cache[key]
 
 
 def _decide(host: Any, kind: Kind) -> Routed | Decline:
