@@ -181,6 +181,14 @@ def kvs(host) -> int:
     return 2 if isinstance(host, sgl_mha.MHATokenToKVPoolHost) else 1
 
 
+def host_rows(host, buf: torch.Tensor, kv: int, layer: int, hi: torch.Tensor):
+    """(buffer, index) addressing host tokens ``hi`` of (kv, layer) in SGLang's layout."""
+    if host.layout == "page_head":  # (2, pages, H, P, L, D): [kv, h // P, head, h % P, layer]
+        p = host.page_size
+        return buf[kv], (hi // p, slice(None), hi % p, layer)
+    return buf[host_slot(host, kv, layer)], hi
+
+
 def expected_backup(host, hi: torch.Tensor, di: torch.Tensor) -> torch.Tensor:
     """The whole host buffer after a backup, computed from SGLang's layout by hand."""
     want = host.kv_buffer.clone()
@@ -188,7 +196,8 @@ def expected_backup(host, hi: torch.Tensor, di: torch.Tensor) -> torch.Tensor:
     for kv in range(kvs(host)):
         for layer in range(host.layer_num):
             src = layers[kv * host.layer_num + layer]
-            want[host_slot(host, kv, layer)][hi] = src[di]
+            view, index = host_rows(host, want, kv, layer, hi)
+            view[index] = src[di]
     return want
 
 
@@ -196,7 +205,8 @@ def expected_load(host, hi: torch.Tensor, di: torch.Tensor) -> list[torch.Tensor
     want = [t.clone() for t in device_layers(host)]
     for kv in range(kvs(host)):
         for layer in range(host.layer_num):
-            want[kv * host.layer_num + layer][di] = host.kv_buffer[host_slot(host, kv, layer)][hi]
+            view, index = host_rows(host, host.kv_buffer, kv, layer, hi)
+            want[kv * host.layer_num + layer][di] = view[index]
     return want
 
 
@@ -220,8 +230,9 @@ POOLS = {"mha": mha_pools, "mla": mla_pools}
 
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
-@pytest.mark.parametrize("kind", ["mha", "mla"])
+@pytest.mark.parametrize(("kind", "layout"), [
+    ("mha", "layer_first"), ("mha", "page_first"), ("mha", "page_head"),
+    ("mla", "layer_first"), ("mla", "page_first")])
 def test_engine_moves_pages_through_kvcore_byte_exact(
         kind: str, layout: str, dtype: torch.dtype, page_size: int,
         monkeypatch: pytest.MonkeyPatch, original_calls: list[str]) -> None:
