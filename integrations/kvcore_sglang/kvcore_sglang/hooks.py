@@ -26,7 +26,7 @@ import torch
 
 from kvcore import DevicePool, HostMemory, HostPool, Kind, Layout, Op
 from kvcore.errors import KVCoreError
-from kvcore.layout import layouts_for
+from kvcore.layout import layouts_for, page_contiguous
 from kvcore.plan import TransferPlan
 from kvcore.registry import default_registry, make_request
 from kvcore.streams import current_stream
@@ -144,11 +144,29 @@ def _decide(host: Any, kind: Kind) -> Routed | Decline:
     except KVCoreError as exc:
         return Decline(f"no kvcore backend serves it: {exc}")
     for op, plan in plans.items():
-        if not _can_read(plan.host_memory, host_pool.memory):
-            return Decline(f"backend {plan.backend_name!r} ({op.value}) reads "
-                           f"{plan.host_memory.value} host memory, the pool's host buffer is "
-                           f"{host_pool.memory.value}")
+        why = _plan_refusal(plan, device_pool, host_pool)
+        if why is not None:
+            return Decline(f"backend {plan.backend_name!r} ({op.value}): {why}")
     return Routed(kind, device_pool, host_pool, plans)
+
+
+def _plan_refusal(plan: TransferPlan, device_pool: DevicePool, host_pool: HostPool) -> str | None:
+    """What kvcore's controller checks once per pool pair (``_check_plan_against_pools``);
+    ``plan.bind`` will own it."""
+    if not _can_read(plan.host_memory, host_pool.memory):
+        return (f"reads {plan.host_memory.value} host memory, the pool's host buffer is "
+                f"{host_pool.memory.value}")
+    g = host_pool.geometry
+    support = plan.select(plan.page_bytes(g.page_size, g.num_layers))
+    tensors = [("host buffer", host_pool.buffer)] + [
+        (f"device buffer {i}", t) for i, t in enumerate(device_pool.all_buffers())]
+    for name, t in tensors:
+        if t.data_ptr() % support.element_alignment:
+            return (f"variant {support.variant} needs {support.element_alignment} B aligned "
+                    f"data, the {name} is at {t.data_ptr():#x}")
+    if support.contiguous_pages and not page_contiguous(g):
+        return f"variant {support.variant} needs contiguous host pages"
+    return None
 
 
 def _can_read(backend_memory: HostMemory, pool_memory: HostMemory) -> bool:
