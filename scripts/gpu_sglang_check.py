@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import platform
 import sys
@@ -81,8 +82,11 @@ def alloc_host(dims: tuple[int, ...], dtype: torch.dtype, memory: str) -> torch.
         return torch.empty(dims, dtype=dtype)
     if memory == "pinned":
         return torch.empty(dims, dtype=dtype, pin_memory=True)
-    buf = torch.empty(dims, dtype=dtype)
-    nbytes = buf.numel() * buf.element_size()
+    # page-aligned pageable memory, as SGLang's mmap allocator hands out
+    nbytes = math.prod(dims) * dtype.itemsize
+    raw = torch.empty(nbytes + 4096, dtype=torch.uint8)
+    skip = -raw.data_ptr() % 4096
+    buf = raw[skip:skip + nbytes].view(dtype).view(dims)
     rc = int(torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), nbytes, 0))
     if rc != 0:
         raise RuntimeError(f"cudaHostRegister failed: {rc}")
