@@ -2,7 +2,9 @@
 """kvcore-sglang's hook bodies on a GPU, on pools laid out exactly as SGLang 0.5.23 lays them,
 against kvcore's reference backend. Runs WITHOUT sglang (no network needed).
 
+    KVCORE_PYTHON_ENV=system scripts/install.sh          # kvcore, kvio_cuda, kvcore-sglang
     python3 scripts/gpu_sglang_check.py [--out DIR]      # DIR defaults to $OUT, else ./out
+    scripts/gpu_run.sh setup sglang                      # the same, inside the GPU run
 
 What it builds, replicated from SGLang 0.5.23's source (no sglang import):
 
