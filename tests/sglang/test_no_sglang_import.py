@@ -34,3 +34,20 @@ def test_hook_bodies_import_no_sglang() -> None:
             "bad = sorted(m for m in sys.modules if m.split('.')[0] == 'sglang')\n"
             "assert not bad, bad\n")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+def test_one_function_calls_kvcore_transfer() -> None:
+    """Every transfer goes through kvcore_sglang.hooks._transfer (the switch to
+    plan.bind/submit is one function)."""
+    src = ROOT / "integrations" / "kvcore_sglang" / "kvcore_sglang"
+    callers = []
+    for path in sorted(src.rglob("*.py")):
+        tree = ast.parse(path.read_text(), str(path))
+        for fn in ast.walk(tree):
+            if not isinstance(fn, ast.FunctionDef):
+                continue
+            for node in ast.walk(fn):
+                if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                        and node.func.attr in {"transfer", "submit", "run", "run_layers"}):
+                    callers.append(f"{path.name}:{fn.name}")
+    assert callers == ["hooks.py:_transfer"]

@@ -252,10 +252,10 @@ def _mla_refusal(host: Any) -> str | None:
     if getattr(host, "_layer_shard_enabled", False):
         return f"{name}: layer-sharded device pool"
     targets = tuple(getattr(host, "_target_layer_indices", ()))
-    if targets != tuple(range(host.target_layer_num)) or \
-            getattr(host, "_device_layer_num", host.target_layer_num) != host.target_layer_num:
-        return (f"{name}: device layer slots {targets} of {host._device_layer_num} are not "
-                f"the host's layers 0..{host.target_layer_num - 1}")
+    slots = getattr(host, "_device_layer_num", None)
+    if targets != tuple(range(host.target_layer_num)) or slots != host.target_layer_num:
+        return (f"{name}: device layer slots {targets} of {slots} are not the host's layers "
+                f"0..{host.target_layer_num - 1}")
     return _device_rows(name, host.device_kv_buffers, (1, host.kv_cache_dim), host.dtype,
                         host.page_size)
 
