@@ -440,3 +440,13 @@ def test_out_of_range_indices_raise_not_corrupt() -> None:
     with pytest.raises(kvcore.KVCoreError, match="host_indices"):
         host.backup_from_device_all_layer(dev, bad, torch.arange(4, 8), "kernel")
     assert torch.equal(bytes_of(host.kv_buffer), bytes_of(before))
+
+
+def test_a_pool_missing_an_attribute_declines(original_calls, caplog) -> None:
+    """A future SGLang that renames what the hooks read gets its own method, not a crash."""
+    dev, host = mha_pools("page_first", torch.bfloat16, 4)
+    del host.device_v_buffers
+    with caplog.at_level(logging.INFO, logger="kvcore_sglang"):
+        with pytest.raises(AttributeError):
+            _call_both(host, dev)  # SGLang's original needs it too
+    _assert_declined(caplog, original_calls, "is not shaped as SGLang 0.5.23's", 0)

@@ -132,11 +132,13 @@ def _forget(key: int, ref: weakref.ref[Any]) -> None:
 
 
 def _decide(host: Any, kind: Kind) -> Routed | Decline:
-    why = _pool_refusal(host, kind)
-    if why is not None:
-        return Decline(why)
     try:
+        why = _pool_refusal(host, kind)
+        if why is not None:
+            return Decline(why)
         device_pool, host_pool = _wrap(host, kind)
+    except AttributeError as exc:  # another SGLang than the 0.5.23 this reads
+        return Decline(f"{type(host).__name__} is not shaped as SGLang 0.5.23's: {exc}")
     except KVCoreError as exc:
         return Decline(f"kvcore cannot wrap the pool: {exc}")
     try:
