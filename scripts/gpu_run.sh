@@ -19,6 +19,7 @@
 # dma: layer_first per-layer load, copy engine against the zero-copy kernel, once per build
 # setting in DMA_TUNES (as PROBE_TUNES; e.g. ";DMA_BATCH=64;DMA_BATCH=32" splits the batches).
 # quick: the seed rows issue 4 missed, cuda only (QUICK_ARGS replaces the axes).
+# sglang: scripts/gpu_sglang_check.py (after setup), writes gpu_sglang_check.{log,json}.
 # seed and quick warm up BENCH_WARMUP rounds (default 1), each calling every index set once,
 # so no timed call is the first on its pages (kvio bench --warmup counts rounds).
 set -uo pipefail
@@ -103,6 +104,9 @@ dma)
         tag=$(echo "${tune:-default}" | tr ',=' '_-')
         KVIO_CUDA_TUNE=$tune step "probe_dma_$tag" 150 $PY scripts/probe_dma_load.py
     done
+    ;;
+sglang)  # kvcore-sglang's hook bodies with kvio_cuda on SGLang-shaped pools (no sglang needed)
+    step sglang_check 300 $PY scripts/gpu_sglang_check.py --out "$R"
     ;;
 quick)
     budget=$(( ${DEADLINE_S:-100000} - SECONDS - ${SEED_MARGIN_S:-60} ))

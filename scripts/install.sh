@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Install kvcore, its three plugins and the test/dev extras into ./.venv (created if absent).
+# Install kvcore, its three plugins, the SGLang integration (without SGLang) and the test/dev
+# extras into ./.venv (created if absent).
 #
 #   scripts/install.sh            # .venv with torch==2.13.0 (CPU wheel) from constraints.txt
 #   KVCORE_PYTHON_ENV=system scripts/install.sh
@@ -10,7 +11,8 @@
 # installs (its whole output is kept in .venv/pip-install.log). Afterwards `kvio` is .venv/bin/kvio: run it so, or `source .venv/bin/activate`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PKGS=(-e . -e plugins/kvio_reference -e plugins/kvio_cuda -e plugins/kvio_rocm)
+PKGS=(-e . -e plugins/kvio_reference -e plugins/kvio_cuda -e plugins/kvio_rocm
+      -e integrations/kvcore_sglang)
 START=$SECONDS
 step() { echo "==> [$1] $2 ($((SECONDS - START)) s)"; }
 

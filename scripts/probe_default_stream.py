@@ -1,0 +1,71 @@
+"""Per-layer loads from layer_first through the plan on the legacy default stream, against a
+side stream and one contiguous copy of the same bytes (issue 21: page slices of 128 KiB and
+more go to the copy engine, which must not fall back to one copy per page on that stream).
+
+    python scripts/probe_default_stream.py     # on a CUDA machine; prints a markdown table
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import torch
+
+from kvcore import DevicePool
+from kvcore.layout import Op
+from kvcore.registry import allocate_host_pool, default_registry, make_request
+
+LAYERS, PAGE, PAGES, REPEAT = 32, 64, 16, 7
+
+
+def _time(fn, stream: torch.cuda.Stream) -> float:  # type: ignore[no-untyped-def]
+    times = []
+    for _ in range(REPEAT + 1):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(stream)
+        fn()
+        end.record(stream)
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times[1:])
+
+
+def main() -> None:
+    print("| heads x dim | slice KiB | stream | variant | ms | ceiling ms | ratio |")
+    print("|---|---|---|---|---|---|---|")
+    for heads in (8, 16):
+        dev = DevicePool.allocate("mha", LAYERS, 4 * PAGES * PAGE, heads, 128, torch.bfloat16,
+                                  "cuda", PAGE)
+        host = allocate_host_pool("mha", "layer_first", LAYERS, 4 * PAGES * PAGE, heads, 128,
+                                  torch.bfloat16, PAGE, "cuda")
+        host.buffer.view(torch.int16).random_()
+        plan = default_registry().resolve(make_request(Op.LOAD_LAYER, "mha", "layer_first",
+                                                       torch.bfloat16, heads * 256, "cuda"))
+        bound = plan.bind(dev, host)
+        pages = torch.randperm(4 * PAGES)[:PAGES]
+        h = (pages[:, None] * PAGE + torch.arange(PAGE)).flatten()
+        d = (torch.randperm(4 * PAGES)[:PAGES, None] * PAGE + torch.arange(PAGE)).flatten()
+        nbytes = 2 * LAYERS * PAGES * PAGE * heads * 256
+        src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+        for name, stream in (("default (legacy)", torch.cuda.default_stream()),
+                             ("side", torch.cuda.Stream())):
+            ms, ceil = _measure(bound, h, d, src, dst, stream)
+            print(f"| {heads} x 128 | {PAGE * heads * 256 // 1024} | {name} | "
+                  f"{bound.variant_for(h, d).variant} | {ms:.3f} | {ceil:.3f} | "
+                  f"{ceil / ms:.3f} |")
+
+
+def _measure(bound, h, d, src, dst, stream) -> tuple[float, float]:  # type: ignore[no-untyped-def]
+    """(ms of a per-layer load of every layer, ms of one contiguous copy), both on ``stream``."""
+
+    def load() -> None:
+        for layer in range(LAYERS):
+            bound.submit(h, d, layer=layer, stream=stream, chained=layer > 0)
+
+    with torch.cuda.stream(stream):
+        return (_time(load, stream),
+                _time(lambda: dst.copy_(src, non_blocking=True), stream))
+
+if __name__ == "__main__":
+    main()
