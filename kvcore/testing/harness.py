@@ -14,7 +14,7 @@ from collections.abc import Callable
 import attrs
 import torch
 
-from kvcore.capabilities import HostMemory
+from kvcore.capabilities import HostMemory, Residency
 from kvcore.controller import HiCacheController
 from kvcore.errors import (
     AllocatorError,
@@ -331,13 +331,32 @@ def run_backend(env: Env, case: Case, rig: Rig, op: Op, h: torch.Tensor,
     return seen[start:]
 
 
+def expected_variant(env: Env, case: Case, h: torch.Tensor, d: torch.Tensor) -> str | None:
+    """The variant a submit of ``h`` and ``d`` must run: the case's, unless it wants an index
+    on the CPU that the caller keeps on the device; then the first variant whose page window
+    holds the case's pages and that takes both on the device (a submit never copies device
+    indices back to the CPU, which would wait for the device)."""
+    if case.variant in (None, "-"):
+        return case.variant
+    plan = resolve(env, case, case.op, env.backend)
+    declared = next((v for v in plan.variants if v.variant == case.variant), None)
+    if declared is None or not any(
+            t.device.type != "cpu" and spec.residency is Residency.HOST
+            for t, spec in ((h, declared.host_index), (d, declared.device_index))):
+        return case.variant
+    pb = plan_page_bytes(case)
+    return next((v.variant for v in plan.variants if v.fits_page(pb)
+                 and v.host_index.residency is Residency.DEVICE
+                 and v.device_index.residency is Residency.DEVICE), case.variant)
+
+
 def check_transfer(env: Env, case: Case) -> None:
     """The differential check of one op: backend vs reference on identical pools."""
     rig = build(env, case)
     ref = twin(env, rig)
     h, d = given_indices(env, case, rig.host_indices, rig.device_indices)
     seen = run_backend(env, case, rig, case.op, h, d)
-    check_placement(env, case, rig, seen, case.variant)
+    check_placement(env, case, rig, seen, expected_variant(env, case, h, d))
     transfer(env, case, ref, case.op, REFERENCE, h, d)
     layers = range(case.num_layers)
     what = f"{env.backend} {case.op.value}"
@@ -410,6 +429,9 @@ class Refusal:
 def _bad_call(env: Env, case: Case, rig: Rig) -> Refusal:
     plan = resolve(env, case, case.op, env.backend)
     h, d = rig.host_indices, rig.device_indices.to(env.device)
+    # index values are refused before anything runs when they are on the CPU; a device
+    # resident one out of range fails its transfer at completion instead (tests/gpu)
+    d_cpu = rig.device_indices.cpu()
     layer = 0 if case.op is Op.LOAD_LAYER else None
     size = rig.geometry.size
 
@@ -418,11 +440,11 @@ def _bad_call(env: Env, case: Case, rig: Rig) -> Refusal:
                                      layer=lay)
 
     dup_h = torch.cat([h[: case.page_size], h[: case.page_size]])
-    dup_d = torch.cat([d[: case.page_size], d[: case.page_size]])
+    dup_d = torch.cat([d_cpu[: case.page_size], d_cpu[: case.page_size]])
     p = case.page_size
     table: dict[str, Refusal] = {
         "host_out_of_range": Refusal(run(h + size, d), InvalidIndices, "host_indices"),
-        "device_out_of_range": Refusal(run(h, d + rig.device_pool.size), InvalidIndices,
+        "device_out_of_range": Refusal(run(h, d_cpu + rig.device_pool.size), InvalidIndices,
                                        "device_indices"),
         "misaligned_page": Refusal(run((h + 1) % size, d), InvalidIndices, "host_indices"),
         "length_mismatch": Refusal(run(h, d[:-p]), InvalidIndices, "device_indices"),

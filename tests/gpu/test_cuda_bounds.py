@@ -33,12 +33,11 @@ def _library() -> Any:  # kvio_cuda is imported only on a CUDA machine
     if DEVICE.type != "cuda":
         pytest.skip(f"kvio_cuda needs a CUDA device, not {DEVICE}")
     try:
-        from kvio_cuda._native import NativeLibrary
-        from kvio_cuda.build import build_library
+        from kvio_cuda.backend import CudaBackend
     except ImportError as exc:
         pytest.skip(f"kvio_cuda is not installed: {exc}")
-    major, minor = torch.cuda.get_device_capability(DEVICE)
-    return NativeLibrary(build_library(major, minor))
+    # the library the plugin itself loads: a wheel's prebuilt one, else built on first use
+    return CudaBackend(DEVICE).lib
 
 
 pytestmark = pytest.mark.gpu
