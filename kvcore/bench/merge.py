@@ -13,6 +13,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+from kvcore.bench.queue import QueueRow
 from kvcore.bench.row import Row
 from kvcore.bench.runner import BenchResult
 from kvcore.bench.sweep import Case, parse_dtype
@@ -34,7 +35,7 @@ def read_document(path: str) -> Any:
         data = gzip.decompress(data)
     text = data.decode("utf-8")
     try:
-        return json.loads(text)
+        doc = json.loads(text)
     except json.JSONDecodeError as whole:
         lines = [line for line in text.splitlines() if line.strip()]
         try:
@@ -50,6 +51,9 @@ def read_document(path: str) -> Any:
             except json.JSONDecodeError as exc:
                 raise ValueError(f"line {number}: {exc}") from None
         return {**head, "rows": rows}
+    if isinstance(doc, dict) and "rows" not in doc and "controller_rows" in doc:
+        return {**doc, "rows": []}  # JSON lines of a run without kernel-path rows: its head
+    return doc
 
 
 def load(path: str) -> tuple[BenchResult, str]:
@@ -71,7 +75,9 @@ def load(path: str) -> tuple[BenchResult, str]:
                              settings=facts["settings"], started=facts["started"],
                              elapsed_s=_duration("elapsed_s", facts["elapsed_s"]),
                              not_run_cases=named,
-                             not_run_unnamed=max(0, facts.get("not_run", 0) - len(named)))
+                             not_run_unnamed=max(0, facts.get("not_run", 0) - len(named)),
+                             controller_rows=[QueueRow.from_facts(r)
+                                              for r in facts.get("controller_rows", [])])
         return result, facts["command"]
     except (KeyError, TypeError, ValueError) as exc:
         what = f"missing or malformed {exc}" if isinstance(exc, KeyError) else f"malformed: {exc}"
@@ -124,7 +130,8 @@ def merge(results: Sequence[BenchResult]) -> BenchResult:
                        started=first.started,
                        elapsed_s=sum(r.elapsed_s for r in results),
                        not_run_cases=list(not_run.values()),
-                       not_run_unnamed=sum(r.not_run_unnamed for r in results))
+                       not_run_unnamed=sum(r.not_run_unnamed for r in results),
+                       controller_rows=[q for r in results for q in r.controller_rows])
 
 
 def _case(facts: dict[str, Any]) -> Case:

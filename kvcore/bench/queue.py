@@ -105,6 +105,15 @@ class QueueRow:
             return None
         return gib_per_s(self.case.bytes_per_call, self.ms_per_call)
 
+    @classmethod
+    def from_facts(cls, f: dict[str, Any]) -> QueueRow:
+        """The row :meth:`facts` described (``kvio bench --merge`` reads them back)."""
+        case = QueueCase(f["op"], Kind(f["kind"]), Layout(f["layout"]), int(f["pages"]),
+                         int(f["calls"]), int(f["page_size"]), int(f["num_layers"]),
+                         getattr(torch, f["dtype"]))
+        return cls(case, f["backend"], f["ms_per_call"], f["ceiling_ms"], f["cpu_us"],
+                   f["wait_us"], f.get("spread_pct"), f["error"])
+
     def facts(self) -> dict[str, Any]:
         return {"backend": self.backend, **self.case.facts(), "ms_per_call": self.ms_per_call,
                 "ceiling_ms": self.ceiling_ms, "ratio": self.ratio, "gib_s": self.gib_s,

@@ -97,7 +97,8 @@ def command_line(args: argparse.Namespace) -> str:
             words += [f"--{opt.replace('_', '-')}", value]
     for opt, default in (("device", None), ("warmup", 2), ("repeat", 7),
                          ("reference_repeat", None), ("retime", 2), ("seed", 0),
-                         ("time_limit", None), ("json", None), ("markdown", None), ("plot", None)):
+                         ("time_limit", None), ("json", None), ("markdown", None), ("plot", None),
+                         ("through", "both"), ("queue_pages", None)):
         value = getattr(args, opt)
         if value != default:
             words += [f"--{opt.replace('_', '-')}", str(value)]
