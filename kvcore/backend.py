@@ -1,9 +1,12 @@
 """The runtime contract of a backend instance: what a plan hands it and what it must do.
 
-A backend receives a :class:`TransferJob` whose indices are already validated and placed as
-its chosen :class:`~kvcore.capabilities.OpSupport` variant declared. It enqueues the transfer
-on ``job.stream`` (or runs it synchronously when ``job.stream`` is None, as on CPU) and
-returns. It never moves indices itself and never chooses another variant.
+A backend receives a :class:`TransferJob` whose indices are placed as its chosen
+:class:`~kvcore.capabilities.OpSupport` variant declared; those that came from the CPU are
+validated (range, whole pages, no duplicate destination), device-resident values are not: the
+backend must never dereference an out-of-range one and reports it through its completion
+(``check()`` raises InvalidIndices). It enqueues the transfer on ``job.stream`` (or runs it
+synchronously when ``job.stream`` is None, as on CPU), never waits for the device, never moves
+indices itself and never chooses another variant.
 """
 
 from __future__ import annotations
