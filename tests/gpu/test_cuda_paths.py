@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from cuda_marks import needs_kvio_cuda
 
 from kvcore import DevicePool, HostPool
 from kvcore.cli.common import default_device
@@ -22,20 +23,7 @@ DEVICE = default_device()
 PAGE, LAYERS, POOL_PAGES = 64, 6, 48
 
 
-def _cuda_available() -> bool:
-    if DEVICE.type != "cuda":
-        return False
-    try:
-        return bool(default_registry().availability("cuda"))
-    except Exception:  # noqa: BLE001 - not installed: skip with the reason below
-        return False
-
-
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not _cuda_available(), reason=f"kvio_cuda is not available on {DEVICE} "
-                                                     "(see `kvio backends`)"),
-]
+pytestmark = needs_kvio_cuda(DEVICE)
 
 
 def _geometry(kind: str) -> tuple[int, int]:
