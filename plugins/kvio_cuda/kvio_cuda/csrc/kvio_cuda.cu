@@ -510,8 +510,14 @@ __device__ __forceinline__ void signaled_body(const CopyParams& p, int32_t num_l
 // Named instantiations (extern "C" so the SASS, profilers and tests show readable names).
 // d2h: device -> host (write-back, and the staging gather); h2d: host -> device (load).
 // vN: vector bytes; i32/i64: width of the flat work index.
+// The 64-bit variants (flat work of 2^31 vectors and more) get twice the registers: with the
+// v2 bounds checks they spill in 64 on sm_80 (as the signaled ones do everywhere).
+constexpr int kWideBlocksPerSm = kBlocksPerSm > 1 ? kBlocksPerSm / 2 : 1;
+template <typename IdxT>
+constexpr int blocks_per_sm() { return sizeof(IdxT) == 8 ? kWideBlocksPerSm : kBlocksPerSm; }
+
 #define KVIO_COPY_KERNEL_EX(NAME, DIR, VEC, IDXT, EARLY)                              \
-    extern "C" __global__ void __launch_bounds__(kThreads, kBlocksPerSm)              \
+    extern "C" __global__ void __launch_bounds__(kThreads, blocks_per_sm<IDXT>())     \
         NAME(const CopyParams p) {                                                    \
         copy_body<DIR, VEC, IDXT, EARLY>(p);                                          \
     }
@@ -549,7 +555,6 @@ KVIO_COPY_KERNEL_EX(kvio_copy_h2d_v16_i64_early, kHostToDevice, 16, uint64_t, tr
         NAME(const CopyParams p, int32_t num_layers, Signals sig) {                   \
         signaled_body<VEC, IDXT>(p, num_layers, sig);                                 \
     }
-constexpr int kWideBlocksPerSm = kBlocksPerSm > 1 ? kBlocksPerSm / 2 : 1;
 KVIO_SIGNALED_KERNEL(kvio_signaled_h2d_v16_i32, 16, uint32_t, kBlocksPerSm)
 KVIO_SIGNALED_KERNEL(kvio_signaled_h2d_v16_i64, 16, uint64_t, kWideBlocksPerSm)
 KVIO_SIGNALED_KERNEL(kvio_signaled_h2d_v8_i32, 8, uint32_t, kBlocksPerSm)
