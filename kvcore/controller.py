@@ -230,8 +230,11 @@ class HiCacheController:
 
     def _drain(self, block: bool) -> list[WriteAck]:
         if self._unusable is not None:
+            finished = self._take_finished()
+            if finished:  # completed and checked before the fault: their pages are backed up
+                return self._acknowledge(finished)
             self._abandon_pending()
-        done: list[WriteAck] = []
+        done: list[PendingWrite] = []
         while self._pending:
             p = self._pending[0]
             try:
@@ -254,15 +257,28 @@ class HiCacheController:
                 raise TransferFailed(
                     f"write-back {p.ack.id} failed at completion; its "
                     f"{p.ack.host_indices.numel()} host slots were released: {exc}", exc) from exc
-            done.append(p.ack)
-        done = self._agree_acks(done)
-        self.completed_writes += len(done)
-        return done
+            done.append(p)
+        return self._acknowledge(done)
 
-    def _requeue_done(self, done: list[WriteAck]) -> None:
-        """Completed acks drained before a failure are reported by the next poll."""
-        for ack in reversed(done):
-            self._pending.appendleft(PendingWrite(ack, None, [], False))
+    def _acknowledge(self, done: list[PendingWrite]) -> list[WriteAck]:
+        acks = self._agree_acks(done)
+        self.completed_writes += len(acks)
+        return acks
+
+    def _take_finished(self) -> list[PendingWrite]:
+        """The writes at the front of the queue that already completed and were checked
+        (requeued by a poll that then failed): nothing of them is left on the device."""
+        finished = []
+        while self._pending and self._pending[0].event is None \
+                and not self._pending[0].completions:
+            finished.append(self._pending.popleft())
+        return finished
+
+    def _requeue_done(self, done: list[PendingWrite]) -> None:
+        """Completed writes drained before a failure are acknowledged by the next poll; they
+        keep their ownership of the host slots (released if they are dropped after all)."""
+        for p in reversed(done):
+            self._pending.appendleft(PendingWrite(p.ack, None, [], p.owns_host))
 
     def _abandon_pending(self) -> None:
         """After a device fault nothing queued can be trusted: release it all and refuse."""
@@ -283,16 +299,15 @@ class HiCacheController:
             with contextlib.suppress(Exception):  # the device may be what failed
                 self._agree_acks([])
 
-    def _agree_acks(self, done: list[WriteAck]) -> list[WriteAck]:
+    def _agree_acks(self, done: list[PendingWrite]) -> list[WriteAck]:
         if self.process_group is None:
-            return done
+            return [p.ack for p in done]
         from kvcore.distributed import min_across_ranks
 
         keep = min_across_ranks(self.completed_writes + len(done), self.process_group)
         keep -= self.completed_writes
-        for ack in reversed(done[keep:]):  # not yet done everywhere: report them later
-            self._pending.appendleft(PendingWrite(ack, None, [], False))
-        return done[:keep]
+        self._requeue_done(done[keep:])  # not yet done everywhere: report them later
+        return [p.ack for p in done[:keep]]
 
     # -- load ------------------------------------------------------------------------------
 
@@ -384,6 +399,10 @@ def _check_pair(i: int, m: PoolPair, first: PoolPair) -> None:
             raise TensorMismatch(f"{name}.{field}", f"{dev_v} (as the device pool)", str(host_v))
     if i:
         f = first.host.geometry
+        if g.num_layers != f.num_layers:
+            raise TensorMismatch(f"members[{i}].num_layers", f"{f.num_layers} (as the first "
+                                 "member's: a per-layer load waits for layer i of every member)",
+                                 str(g.num_layers))
         if (g.size, g.page_size) != (f.size, f.page_size) or d.size != first.device.size:
             raise TensorMismatch(f"members[{i}]", "host size, page size and device size equal "
                                  "to the first member's (they share one allocator)",

@@ -27,6 +27,7 @@ import collections
 import contextlib
 import enum
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import attrs
 import torch
@@ -94,13 +95,22 @@ class FaultInjector:
 
 @attrs.frozen
 class _Outcome:
-    """A completion: ``check()`` raises ``error`` if there is one."""
+    """A completion: ``check()`` raises ``error`` if there is one, else what the wrapped
+    backend returned raises; ``wait_layer`` passes a wrapped backend's per-layer signals
+    through (a signaled per-layer load)."""
 
     error: BaseException | None = None
+    inner: Any = None
 
     def check(self) -> None:
         if self.error is not None:
             raise self.error
+        if self.inner is not None:
+            self.inner.check()
+
+    def wait_layer(self, layer: int, stream: Any) -> None:
+        if self.inner is not None and hasattr(self.inner, "wait_layer"):
+            self.inner.wait_layer(layer, stream)
 
 
 class FaultyBackend:
@@ -117,17 +127,16 @@ class FaultyBackend:
     def run(self, job: TransferJob) -> _Outcome:
         call, fault = self.injector.next_fault(job.op)
         if fault is None:
-            self.inner.run(job)
-            return _Outcome()
+            return _Outcome(inner=self.inner.run(job))
         self.injector.injected.append((job.op, call, fault.mode))
         error = fault.error(f"injected {fault.mode.value} fault on {job.op.value} call {call}")
         if fault.mode is FaultMode.RAISE:
             raise error
-        self.inner.run(job)
+        done = self.inner.run(job)
         if fault.mode is FaultMode.ASYNC:
-            return _Outcome(error)
+            return _Outcome(error, done)
         _corrupt_destination(job)
-        return _Outcome()
+        return _Outcome(inner=done)
 
 
 def _corrupt_destination(job: TransferJob) -> None:

@@ -124,6 +124,14 @@ def test_group_members_must_share_the_geometry(reg: Registry) -> None:
         HiCacheController(dev, host, registry=reg, members=[(dev2, host2)])
 
 
+def test_group_members_must_have_the_first_members_layer_count(reg: Registry) -> None:
+    """A member with more layers would have its extra layers never loaded (issue 25, item 6)."""
+    dev, host = _pools(reg)
+    dev3, host3 = _pools(reg, num_layers=3)
+    with pytest.raises(TensorMismatch, match=r"^members\[1\]\.num_layers: expected 2"):
+        HiCacheController(dev, host, registry=reg, members=[(dev3, host3)])
+
+
 def test_unknown_write_policy_names_the_argument(reg: Registry) -> None:
     dev, host = _pools(reg)
     with pytest.raises(InvalidArgument, match=r"^write_policy: expected one of write_through"):

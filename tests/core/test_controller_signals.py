@@ -185,3 +185,26 @@ def test_a_failed_signaled_load_fails_every_later_wait() -> None:
     with pytest.raises(TransferFailed):
         handle.check()
     assert len(failures) == 1
+
+
+def test_the_fault_wrapper_passes_a_signaled_loads_signals_through() -> None:
+    """Per-layer loads over fault_backend(base=a signaled backend) land and wait on the
+    wrapped backend's own signals (they raised ContractViolation: issue 25, item 9)."""
+    from kvcore.testing.faults import fault_backend
+
+    registry, _ = _registry()
+    with fault_backend(registry=registry, base="signaled") as injector:
+        dev, host = _pools(registry)
+        ctl = HiCacheController(dev, host, registry=registry, backend="faulty")
+        src, dst = _pages(1, 2), _pages(8, 2)
+        ack = ctl.write(src)
+        ctl.wait_acks()
+        handle = ctl.load(ack.host_indices, dst)
+        for layer in range(LAYERS):
+            handle.wait_layer(layer)
+        handle.wait()
+    assert injector.calls[Op.LOAD_LAYER] == 1  # one job for every layer, through the wrapper
+    for kv in range(2):
+        for layer in range(LAYERS):
+            t = dev.layers(kv)[layer]
+            assert torch.equal(t[dst].view(torch.int16), t[src].view(torch.int16))

@@ -239,3 +239,23 @@ def test_construction_builds_the_backend(faults: FaultInjector) -> None:
     assert faults.builds == 0
     controller(faults)
     assert faults.builds == 1  # at start-up, not at the first transfer
+
+
+def test_writes_completed_before_a_device_fault_are_acknowledged_not_leaked(
+        faults: FaultInjector) -> None:
+    """Issue 25, item 5: a write that completed before a later one hit a device fault is
+    acknowledged by the next poll (its pages are backed up), and nothing leaks."""
+    ctl = controller(faults)
+    state0 = ctl.allocator.state()
+    faults.arm(Fault(Op.WRITE_BACK, nth=2, mode=FaultMode.ASYNC, error=DeviceFault))
+    first = ctl.write(page_tokens([0]))
+    ctl.write(page_tokens([1]))
+    with pytest.raises(TransferFailed):
+        ctl.wait_acks()  # the second write failed; the first had completed before it
+    assert not ctl.usable
+    assert [a.id for a in ctl.poll_acks()] == [first.id]
+    assert ctl.allocator.is_allocated(first.host_indices)  # backed up: the caller frees it
+    with pytest.raises(ControllerUnusable):
+        ctl.poll_acks()
+    ctl.free_host(first.host_indices)
+    assert ctl.allocator.state() == state0
