@@ -41,7 +41,7 @@ from kvcore.errors import (
 )
 from kvcore.handles import LoadHandle, PendingWrite, WriteAck
 from kvcore.layout import Op, parse_enum
-from kvcore.plan import BoundPlan, Submission, TransferPlan
+from kvcore.plan import BoundPlan, Submission, TransferPlan, check_pool_pair
 from kvcore.policy import CacheEvent, WritePolicy, should_back_up
 from kvcore.pools import DevicePool, HostPool
 from kvcore.registry import Registry, default_registry, make_request
@@ -390,13 +390,7 @@ class HiCacheController:
 
 def _check_pair(i: int, m: PoolPair, first: PoolPair) -> None:
     g, d = m.host.geometry, m.device
-    name = f"members[{i}]" if i else "host_pool"
-    pairs = [("kind", g.kind, d.kind), ("num_layers", g.num_layers, d.num_layers),
-             ("head_num", g.head_num, d.head_num), ("head_dim", g.head_dim, d.head_dim),
-             ("page_size", g.page_size, d.page_size), ("dtype", m.host.dtype, d.dtype)]
-    for field, host_v, dev_v in pairs:
-        if host_v != dev_v:
-            raise TensorMismatch(f"{name}.{field}", f"{dev_v} (as the device pool)", str(host_v))
+    check_pool_pair(d, m.host, f"members[{i}]" if i else "host_pool")
     if i:
         f = first.host.geometry
         if g.num_layers != f.num_layers:

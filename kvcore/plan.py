@@ -373,6 +373,22 @@ def _place(indices: torch.Tensor, spec: IndexSpec, device: torch.device) -> torc
     return indices.to(device=target, dtype=dtype).contiguous()
 
 
+def check_pool_pair(device_pool: DevicePool, host_pool: HostPool, name: str = "host_pool",
+                    context: str = "") -> None:
+    """The host pool holds what the device pool holds: kind, layers, heads, head_dim, page
+    size and dtype, or TensorMismatch naming ``name.field``."""
+    g = host_pool.geometry
+    for field, dev_v, host_v in (("kind", device_pool.kind, g.kind),
+                                 ("num_layers", device_pool.num_layers, g.num_layers),
+                                 ("head_num", device_pool.head_num, g.head_num),
+                                 ("head_dim", device_pool.head_dim, g.head_dim),
+                                 ("page_size", device_pool.page_size, g.page_size),
+                                 ("dtype", device_pool.dtype, host_pool.dtype)):
+        if host_v != dev_v:
+            raise TensorMismatch(f"{name}.{field}", f"{dev_v} (as the device pool)",
+                                 str(host_v), context)
+
+
 def _check_pools(plan: TransferPlan, device_pool: DevicePool, host_pool: HostPool) -> None:
     """Everything about the pool pair the plan must agree with, before any kernel sees it."""
     r = plan.request
@@ -381,19 +397,12 @@ def _check_pools(plan: TransferPlan, device_pool: DevicePool, host_pool: HostPoo
     if device_pool.device != r.device:
         raise TensorMismatch("device_pool", f"tensors on {r.device} (the plan's device)",
                              str(device_pool.device), ctx)
-    facts = [("dtype", r.dtype, device_pool.dtype, host_pool.dtype),
-             ("kind", r.kind, device_pool.kind, g.kind),
-             ("num_layers", None, device_pool.num_layers, g.num_layers),
-             ("head_num", None, device_pool.head_num, g.head_num),
-             ("head_dim", None, device_pool.head_dim, g.head_dim),
-             ("page_size", None, device_pool.page_size, g.page_size)]
-    for field, planned, dev_v, host_v in facts:
-        if planned is not None and dev_v != planned:
+    for field, planned, dev_v in (("dtype", r.dtype, device_pool.dtype),
+                                  ("kind", r.kind, device_pool.kind)):
+        if dev_v != planned:
             raise TensorMismatch(f"device_pool.{field}", f"{planned} (the plan's)", str(dev_v),
                                  ctx)
-        if host_v != dev_v:
-            raise TensorMismatch(f"host_pool.{field}", f"{dev_v} (as the device pool)",
-                                 str(host_v), ctx)
+    check_pool_pair(device_pool, host_pool, "host_pool", ctx)
     if g.layout is not r.layout:
         raise TensorMismatch("host_pool.layout", f"{r.layout.value} (the plan's)",
                              g.layout.value, ctx)
