@@ -55,14 +55,8 @@ def wheel(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 @pytest.fixture
-def no_nvcc(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    empty = tmp_path / "empty-bin"
-    empty.mkdir()
-    monkeypatch.setenv("PATH", str(empty))
-    monkeypatch.delenv("CUDA_HOME", raising=False)
-    monkeypatch.delenv("CUDA_PATH", raising=False)
-    monkeypatch.setattr(build, "_site_dirs", lambda: [tmp_path / "site-packages"])
-    monkeypatch.setattr(build, "DEFAULT_NVCC", tmp_path / "no-cuda" / "bin" / "nvcc")
+def no_nvcc(no_toolkit: Path) -> None:
+    """No nvcc anywhere (conftest's no_toolkit)."""
 
 
 def fake_nvcc(path: Path, release: str = "13.0", codes: str = "sm_80 sm_90 sm_100 sm_120",
