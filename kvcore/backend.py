@@ -11,6 +11,7 @@ indices itself and never chooses another variant.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import attrs
@@ -94,3 +95,31 @@ class TransferBackend(Protocol):
         when the device can no longer be used.
         """
         ...
+
+
+#: ``runner(host_indices, device_indices, layer, stream, chained)``: what ``backend.run`` does
+#: for the job a :func:`runner_for` was prepared from, with these five fields replaced
+Runner = Callable[[torch.Tensor, torch.Tensor, "int | None", Any, bool], Any]
+
+
+def runner_for(backend: TransferBackend, job: TransferJob) -> Runner:
+    """A :data:`Runner` for jobs that differ from ``job`` only in their indices, layer, stream
+    and chaining: what a bound plan calls on every submit.
+
+    A backend may define ``prepare(job) -> Runner`` to do once what every ``run`` of such jobs
+    repeats (pointers, layouts, looking up its functions); the runner must behave exactly as
+    ``run`` would. Without it, each call builds the job and calls ``run``.
+    """
+    prepare = getattr(backend, "prepare", None)
+    if prepare is not None:
+        return prepare(job)  # type: ignore[no-any-return]
+    run = backend.run
+    op, support, pool = job.op, job.support, job.device_pool
+    buffer, geometry, strides = job.host_buffer, job.host_geometry, job.host_strides
+
+    def runner(host_indices: torch.Tensor, device_indices: torch.Tensor, layer: int | None,
+               stream: Any, chained: bool) -> Any:
+        return run(TransferJob(op, support, pool, buffer, geometry, strides, host_indices,
+                               device_indices, layer, stream, chained))
+
+    return runner

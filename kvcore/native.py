@@ -15,7 +15,7 @@ from typing import Any, Protocol
 import attrs
 import torch
 
-from kvcore.backend import TransferJob
+from kvcore.backend import Runner, TransferJob, runner_for
 from kvcore.capabilities import HostMemory, IndexSpec, OpSupport, Residency, op_support
 from kvcore.errors import InvalidArgument, InvalidIndices
 from kvcore.layout import ByteStrides, Kind, Layout, Op, contiguous_page_layouts, layouts_for
@@ -30,7 +30,13 @@ from kvcore.native_abi import (
     make_layout,
 )
 from kvcore.signals import EventLayerSignals, LayerSignals
-from kvcore.streams import current_stream, has_streams, on_stream, recorded_event
+from kvcore.streams import (
+    current_stream,
+    has_streams,
+    native_handle,
+    on_stream,
+    recorded_event,
+)
 
 DEVICE_TO_HOST = 0
 HOST_TO_DEVICE = 1
@@ -87,8 +93,7 @@ def is_64(t: torch.Tensor) -> int:
 
 
 class NativeBackend:
-    """Runs jobs through a native library; a subclass builds the library and names the raw
-    stream handle of its runtime."""
+    """Runs jobs through a native library; a subclass builds the library."""
 
     #: the variant name that selects the staged write-back and all-layer load
     STAGED = "staged"
@@ -111,10 +116,18 @@ class NativeBackend:
         self._has_signals: bool | None = None
         self._report_ring: ReportRing | None = None
         self._layout_by_id: dict[int, tuple[ByteStrides, KvioLayout]] = {}
+        unchecked = getattr(library, "unchecked", None)
+        #: ``wait_signal(flag, epoch, raw_stream)``: the library's wait, without the checks of
+        #: its method where the library offers that (on every ``wait_layer``)
+        self.wait_signal: Callable[[int, int, int], None] = (
+            _raw_wait(unchecked("kvio_wait_layer_signal"))
+            if unchecked is not None
+            and "kvio_wait_layer_signal" in getattr(library, "optional", ())
+            else library.wait_layer_signal)
 
     def raw_stream(self, stream: Any) -> int:
-        """The runtime's handle of a torch stream (0: the default stream)."""
-        raise NotImplementedError
+        """The runtime's handle of a torch stream (0: the legacy default stream)."""
+        return native_handle(stream)
 
     def stream_handle(self, stream: Any) -> int:
         """The raw handle of ``stream``, or of the device's current stream when None."""
@@ -176,6 +189,86 @@ class NativeBackend:
                                  bounds=bounds)
         return done
 
+    def prepare(self, job: TransferJob) -> Runner:
+        """A runner for jobs like ``job`` (see :func:`kvcore.backend.runner_for`): the
+        pointers, layout, bounds sizes and library functions are resolved here once, so a
+        submit costs one ctypes call and the report slot. The arguments it passes are those
+        :meth:`run` passes through the library's checked methods (a library object without
+        ``unchecked`` gets :meth:`run` itself)."""
+        unchecked = getattr(self.lib, "unchecked", None)
+        pool = job.device_pool
+        if unchecked is None or pool.device != self.device:
+            return _run_runner(self, job)
+        op, variant = job.op, job.support.variant
+        k_ptrs = pool.k_ptrs.data_ptr() or None
+        v_ptrs = (pool.v_ptrs.data_ptr() or None) if pool.v_ptrs is not None else None
+        host_base = job.host_buffer.data_ptr() or None
+        layout = self._layout(job.host_strides)
+        num_layers = job.host_geometry.num_layers
+        issue = self._reports().issue
+        host_tokens, device_tokens = job.host_geometry.size, pool.size
+        raw = self.stream_handle
+        int64 = torch.int64
+
+        if op is not Op.LOAD_LAYER and variant == self.STAGED:
+            staged = unchecked("kvio_write_back_staged" if op is Op.WRITE_BACK
+                               else "kvio_load_all_staged")
+            staging_of, batched = self.staging, int(self.use_batched)
+
+            def run_staged(h: torch.Tensor, d: torch.Tensor, layer: int | None, stream: Any,
+                           chained: bool) -> BoundsCompletion:
+                s = raw(stream)
+                done = issue(host_tokens, device_tokens, op)
+                staging = staging_of(s)
+                staged(k_ptrs, v_ptrs, num_layers, host_base, layout, h.data_ptr() or None,
+                       d.data_ptr() or None, 1 if d.dtype is int64 else 0, h.numel(),
+                       staging.data_ptr(), staging.numel(), batched, s or None, done.bounds)
+                return done
+
+            return run_staged
+        if op is Op.LOAD_LAYER and variant in (self.STAGED, self.DMA):
+            return _run_runner(self, job)  # refused, or one copy-engine call per layer
+        direction = DEVICE_TO_HOST if op is Op.WRITE_BACK else HOST_TO_DEVICE
+        plain = unchecked("kvio_transfer_direct")
+        chained_fn = (unchecked("kvio_transfer_direct_chained")
+                      if "kvio_transfer_direct_chained" in getattr(self.lib, "optional", ())
+                      else plain)
+
+        def run_direct(h: torch.Tensor, d: torch.Tensor, layer: int | None, stream: Any,
+                       chained: bool) -> BoundsCompletion:
+            done = issue(host_tokens, device_tokens, op)
+            first, count = (0, num_layers) if layer is None else (layer, 1)
+            (chained_fn if chained else plain)(
+                direction, k_ptrs, v_ptrs, first, count, host_base, layout,
+                h.data_ptr() or None, 1 if h.dtype is int64 else 0, d.data_ptr() or None,
+                1 if d.dtype is int64 else 0, h.numel(), raw(stream) or None, done.bounds)
+            return done
+
+        if not (op is Op.LOAD_LAYER and job.support.layer_signals):
+            return run_direct
+        by_layer = _run_runner(self, job)
+        signaled = unchecked("kvio_load_layers_signaled") \
+            if "kvio_load_layers_signaled" in getattr(self.lib, "optional", ()) else None
+
+        def run_signaled(h: torch.Tensor, d: torch.Tensor, layer: int | None, stream: Any,
+                         chained: bool) -> BoundsCompletion | LayerSignals:
+            if layer is not None:
+                return run_direct(h, d, layer, stream, chained)
+            if signaled is None or not self._layer_signals():
+                return by_layer(h, d, layer, stream, chained)  # one launch per layer
+            s = raw(stream)
+            done = issue(host_tokens, device_tokens, op)
+            with self._signal_lock:  # epochs reach the stream in the order they are handed out
+                buf = self._signal_buffer(s, num_layers, stream)
+                epoch = buf.next_epoch()
+                signaled(k_ptrs, v_ptrs, num_layers, host_base, layout, h.data_ptr() or None,
+                         1 if h.dtype is int64 else 0, d.data_ptr() or None,
+                         1 if d.dtype is int64 else 0, h.numel(), buf.counters or None,
+                         buf.flags or None, epoch, s or None, done.bounds)
+            return NativeLayerSignals(self, buf, epoch, done)
+
+        return run_signaled
+
     def _layout(self, strides: ByteStrides) -> KvioLayout:
         """One validated C struct per host pool geometry, not per call; looked up by the
         strides object first (hashing its eight fields on every call cost microseconds)."""
@@ -204,9 +297,7 @@ class NativeBackend:
                                   "no layer_signals)", "None")
         h, d = job.host_indices, job.device_indices
         num_layers = job.host_geometry.num_layers
-        if self._has_signals is None:
-            self._has_signals = self.lib.has_layer_signals()
-        if not self._has_signals:  # each layer's job as the plan would have issued it
+        if not self._layer_signals():  # each layer's job as the plan would have issued it
             events, completions = [], []
             for layer in range(num_layers):
                 completions.append(self.run(attrs.evolve(job, layer=layer, chained=layer > 0)))
@@ -221,6 +312,12 @@ class NativeBackend:
                                           bounds=done.bounds)
         return NativeLayerSignals(self, buf, epoch, done)
 
+    def _layer_signals(self) -> bool:
+        """Whether the library can run a signaled load (asked once)."""
+        if self._has_signals is None:
+            self._has_signals = bool(self.lib.has_layer_signals())
+        return self._has_signals
+
     def _signal_buffer(self, stream: int, num_layers: int,
                        torch_stream: Any = None) -> SignalBuffer:
         """The signal memory of ``stream`` (one per stream, as the staging buffers), at least
@@ -232,6 +329,32 @@ class NativeBackend:
             with on_stream(torch_stream):
                 buf = self._signals[stream] = SignalBuffer(self.device, max(num_layers, 128))
         return buf
+
+
+def _run_runner(backend: NativeBackend, job: TransferJob) -> Runner:
+    """The generic runner: each call builds the job and calls :meth:`NativeBackend.run`."""
+    return runner_for(_RunOnly(backend), job)
+
+
+@attrs.frozen
+class _RunOnly:
+    """``backend`` seen without its ``prepare`` (so :func:`runner_for` falls back to run)."""
+
+    backend: NativeBackend
+
+    def run(self, job: TransferJob) -> Any:
+        return self.backend.run(job)
+
+    def allocate_host(self, shape: tuple[int, ...], dtype: torch.dtype,
+                      ) -> tuple[torch.Tensor, HostMemory]:
+        return self.backend.allocate_host(shape, dtype)
+
+
+def _raw_wait(call: Callable[..., None]) -> Callable[[int, int, int], None]:
+    def wait(flag: int, epoch: int, stream: int) -> None:
+        call(flag, epoch, stream or None)
+
+    return wait
 
 
 class SignalBuffer:
@@ -260,7 +383,7 @@ class NativeLayerSignals:
 
     def __init__(self, backend: NativeBackend, buffer: SignalBuffer, epoch: int,
                  done: BoundsCompletion) -> None:
-        self._wait: Callable[[int, int, int], None] = backend.lib.wait_layer_signal
+        self._wait: Callable[[int, int, int], None] = backend.wait_signal
         self._raw_stream = backend.raw_stream
         self._buffer = buffer  # keeps the flags alive while a wait may be enqueued
         self._done = done
@@ -292,12 +415,14 @@ class ReportRing:
         self._epochs = itertools.count(1)  # next() is atomic under the GIL
 
     def completion(self, job: TransferJob) -> BoundsCompletion:
+        return self.issue(job.host_geometry.size, job.device_pool.size, job.op)
+
+    def issue(self, host_tokens: int, device_tokens: int, op: Op) -> BoundsCompletion:
+        """The bounds and completion of one transfer between pools of these sizes."""
         epoch = next(self._epochs)
         slot = epoch % self.SLOTS
-        bounds = KvioBounds(host_tokens=job.host_geometry.size,
-                            device_tokens=job.device_pool.size,
-                            report=self.base + slot * REPORT_BYTES, epoch=epoch)
-        return BoundsCompletion(self.words[slot], bounds, job.op)
+        bounds = KvioBounds(host_tokens, device_tokens, self.base + slot * REPORT_BYTES, epoch)
+        return BoundsCompletion(self.words[slot], bounds, op)
 
 
 class BoundsCompletion:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import operator
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -374,6 +374,22 @@ class NativeLibrary:
         if code != 0:
             raise KernelError(f"{function}: {self.error_string(code)} "
                               f"({self.runtime} error {code})", code=code)
+
+    def unchecked(self, function: str) -> Callable[..., None]:
+        """``function`` called with its arguments exactly as the ctypes prototype takes them
+        (ints, None for NULL, the KvioLayout, the KvioBounds), with none of the per-argument
+        range checks of the methods below; raises KernelError for a nonzero status. For a
+        caller that derived every argument from checked tensors once (a prepared runner,
+        :meth:`kvcore.native.NativeBackend.prepare`): it saves microseconds per call."""
+        fn = getattr(self._lib, function)
+        check = self.check
+
+        def call(*args: Any) -> None:
+            status = fn(*args)
+            if status:
+                check(function, status)
+
+        return call
 
     # ------------------------------------------------------------------ transfers
 

@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import torch
 
-from kvcore.backend import TransferBackend, TransferJob
-from kvcore.capabilities import HostMemory, IndexSpec, OpSupport, Residency, residency_device
+from kvcore.backend import TransferBackend, TransferJob, runner_for
+from kvcore.capabilities import HostMemory, IndexSpec, OpSupport, Residency
 from kvcore.errors import (
     BuildError,
     ContractViolation,
@@ -38,6 +38,7 @@ from kvcore.errors import (
     TensorMismatch,
 )
 from kvcore.layout import Kind, Layout, Op, page_contiguous
+from kvcore.placement import IndexRing, fits, place
 from kvcore.streams import current_stream, has_streams, on_stream, recorded_event
 from kvcore.validate import check_cpu_indices, check_index_tensor, describe_tensor
 
@@ -222,6 +223,12 @@ class BoundPlan:
         self._host_size = g.size
         self._device_size = device_pool.size
         self._page_size = g.page_size
+        self._runners = {id(v): runner_for(self.backend, self._template(v))
+                         for v in (self.support, self.device_support)}
+        # (host indices on the CPU, device indices on the CPU) -> the variant that runs
+        self._routes = {(h_cpu, d_cpu): self._route(h_cpu, d_cpu)
+                        for h_cpu in (True, False) for d_cpu in (True, False)}
+        self._ring = IndexRing(self.device) if has_streams(self.device) else None
 
     @property
     def context(self) -> str:
@@ -266,10 +273,12 @@ class BoundPlan:
         """The variant a submit of these tensors runs: :attr:`support`, or
         :attr:`device_support` where the caller's indices are on the device and
         :attr:`support` wants one of them on the CPU."""
+        return self._routes[(host_indices.is_cpu, device_indices.is_cpu)]
+
+    def _route(self, h_cpu: bool, d_cpu: bool) -> OpSupport:
         s = self.support
-        if ((host_indices.device.type != "cpu" and s.host_index.residency is Residency.HOST)
-                or (device_indices.device.type != "cpu"
-                    and s.device_index.residency is Residency.HOST)):
+        if ((not h_cpu and s.host_index.residency is Residency.HOST)
+                or (not d_cpu and s.device_index.residency is Residency.HOST)):
             return self.device_support
         return s
 
@@ -281,8 +290,8 @@ class BoundPlan:
         :attr:`support` may copy them to the CPU, which waits for the device."""
         if support is None:
             support = self.variant_for(host_indices, device_indices)
-        return (_place(host_indices, support.host_index, self.device),
-                _place(device_indices, support.device_index, self.device))
+        return (place(host_indices, support.host_index, self.device),
+                place(device_indices, support.device_index, self.device))
 
     def submit(self, host_indices: torch.Tensor, device_indices: torch.Tensor, *,
                layer: int | None = None, stream: Any = None, check: bool = True,
@@ -296,32 +305,63 @@ class BoundPlan:
         just before it on ``stream`` is another layer of the same load, see
         :class:`~kvcore.backend.TransferJob`). ``check=False`` skips the value checks (the
         caller already ran :meth:`check` on these tensors).
+
+        CPU indices the variant reads on the device are copied there on ``stream``, through
+        memory this plan reuses once the transfers that read it completed.
         """
         if check:
             h, d = self.check(host_indices, device_indices, layer, host_trusted=host_trusted)
         else:
             h, d = host_indices, device_indices
-        support = self.variant_for(h, d)
+        support = self._routes[(h.is_cpu, d.is_cpu)]
         s = stream if stream is not None else current_stream(self.device)
-        hp, dp = h, d
-        if not (_fits(h, support.host_index, self.device)
-                and _fits(d, support.device_index, self.device)):
-            with on_stream(s):  # copies and allocations are ordered on the transfer's stream
-                hp = _place(h, support.host_index, self.device)
-                dp = _place(d, support.device_index, self.device)
+        device = self.device
+        if fits(h, support.host_index, device) and fits(d, support.device_index, device):
+            return self._enqueue(support, h, d, layer, s, chained)
+        segments: list[int] = []
+        with on_stream(s):  # copies and allocations are ordered on the transfer's stream
+            h = self._place_on_stream(h, support.host_index, segments)
+            d = self._place_on_stream(d, support.device_index, segments)
+        if not segments:
+            return self._enqueue(support, h, d, layer, s, chained)
+        sub: Submission | None = None
+        try:
+            sub = self._enqueue(support, h, d, layer, s, chained)
+        finally:  # the ring's slots are free once what read them (or nothing) completed
+            event = sub.event if sub is not None else recorded_event(device, s)
+            assert self._ring is not None
+            self._ring.seal(segments, event, _stream_key(s))
+        return sub
+
+    def _place_on_stream(self, t: torch.Tensor, spec: IndexSpec,
+                         segments: list[int]) -> torch.Tensor:
+        if fits(t, spec, self.device):
+            return t
+        if (self._ring is not None and t.is_cpu and spec.residency is Residency.DEVICE
+                and t.is_contiguous()):
+            dtype = t.dtype if t.dtype in spec.dtypes else spec.dtypes[0]
+            staged = self._ring.stage(t, dtype)
+            if staged is not None:
+                segments.append(staged[1])
+                return staged[0]
+        return place(t, spec, self.device)
+
+    def _enqueue(self, support: OpSupport, hp: torch.Tensor, dp: torch.Tensor,
+                 layer: int | None, s: Any, chained: bool) -> Submission:
+        run = self._runners[id(support)]
         if self.op is not Op.LOAD_LAYER:
-            done = self._run(support, hp, dp, None, s, False)
+            done = run(hp, dp, None, s, False)
             event = recorded_event(self.device, s)
             waits = dict.fromkeys(range(self.num_layers), event) \
                 if self.op is Op.LOAD_ALL else {}
             return Submission(waits, event, [] if done is None else [(None, done)])
         if layer is not None:
-            done = self._run(support, hp, dp, layer, s, chained)
+            done = run(hp, dp, layer, s, chained)
             event = recorded_event(self.device, s)
             return Submission({layer: event}, event,
                               [] if done is None else [(layer, done)])
         if support.layer_signals:
-            signals = self._run(support, hp, dp, None, s, False)
+            signals = run(hp, dp, None, s, False)
             if not (hasattr(signals, "wait_layer") and hasattr(signals, "check")):
                 raise ContractViolation(
                     f"{self.context}: variant {support.variant!r} declares layer_signals, "
@@ -333,44 +373,29 @@ class BoundPlan:
         waits: dict[int, Any] = {}
         completions = []
         for n in range(self.num_layers):
-            done = self._run(support, hp, dp, n, s, n > 0)
+            done = run(hp, dp, n, s, n > 0)
             if done is not None:
                 completions.append((n, done))
             waits[n] = recorded_event(self.device, s)
         return Submission(waits, waits[self.num_layers - 1], completions)
 
-    def _run(self, support: OpSupport, h: torch.Tensor, d: torch.Tensor, layer: int | None,
-             stream: Any, chained: bool) -> Any:
+    def _template(self, support: OpSupport) -> TransferJob:
+        """The job every submit of ``support`` runs, but for its indices, layer, stream and
+        chaining (see :func:`kvcore.backend.runner_for`)."""
         hp = self.host_pool
-        return self.backend.run(TransferJob(
-            op=self.op, support=support, device_pool=self.device_pool,
-            host_buffer=hp.buffer, host_geometry=hp.geometry, host_strides=hp.strides,
-            host_indices=h, device_indices=d, layer=layer, stream=stream, chained=chained))
+        none = torch.empty(0, dtype=torch.int64)
+        return TransferJob(op=self.op, support=support, device_pool=self.device_pool,
+                           host_buffer=hp.buffer, host_geometry=hp.geometry,
+                           host_strides=hp.strides, host_indices=none, device_indices=none)
+
+
+def _stream_key(stream: Any) -> Any:
+    """What tells streams apart (stream objects are made anew by each lookup)."""
+    return None if stream is None else (stream.device_index, stream.stream_id)
 
 
 def _wants(v: OpSupport, residency: Residency) -> bool:
     return v.host_index.residency is residency and v.device_index.residency is residency
-
-
-def _fits(indices: torch.Tensor, spec: IndexSpec, device: torch.device) -> bool:
-    """Whether ``indices`` already are where and how ``spec`` wants them."""
-    return (indices.dtype in spec.dtypes and indices.is_contiguous()
-            and indices.device == residency_device(spec.residency, device))
-
-
-def _place(indices: torch.Tensor, spec: IndexSpec, device: torch.device) -> torch.Tensor:
-    """``indices`` where ``spec`` wants them, in a dtype it accepts, contiguous. A CPU tensor
-    bound for a device with streams goes from pinned memory, without waiting, on the current
-    stream."""
-    target = residency_device(spec.residency, device)
-    dtype = indices.dtype if indices.dtype in spec.dtypes else spec.dtypes[0]
-    if indices.device == target and indices.dtype == dtype and indices.is_contiguous():
-        return indices
-    if indices.device.type == "cpu" and has_streams(target):
-        staged = torch.empty(indices.shape, dtype=dtype, pin_memory=True)
-        staged.copy_(indices)
-        return staged.to(target, non_blocking=True)
-    return indices.to(device=target, dtype=dtype).contiguous()
 
 
 def check_pool_pair(device_pool: DevicePool, host_pool: HostPool, name: str = "host_pool",

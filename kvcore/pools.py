@@ -22,7 +22,7 @@ from kvcore.layout import (
     parse_enum,
     size_from_shape,
 )
-from kvcore.validate import check_index_tensor, check_pages, describe_tensor
+from kvcore.validate import check_cpu_indices, check_index_tensor, describe_tensor
 
 
 def _pointer_table(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
@@ -205,12 +205,13 @@ class SlotAllocator:
                                   tuple(np.flatnonzero(self._taken).tolist()))
 
     def _pages_of(self, name: str, indices: torch.Tensor) -> np.ndarray:
-        t = check_index_tensor(name, indices).cpu().to(torch.int64)
-        if t.numel() and (int(t.min()) < 0 or int(t.max()) >= self.size):
+        t = check_index_tensor(name, indices)
+        a = (t if t.is_cpu else t.cpu()).contiguous().numpy()
+        if a.size and (int(a.min()) < 0 or int(a.max()) >= self.size):
             raise AllocatorError(f"{name}: expected slots in [0, {self.size}), got "
-                                 f"{int(t.min())}..{int(t.max())}")
-        check_pages(name, t, self.page_size)
-        return t.numpy().reshape(-1, self.page_size)[:, 0] // self.page_size
+                                 f"{int(a.min())}..{int(a.max())}")
+        check_cpu_indices(name, torch.from_numpy(a), self.size, page_size=self.page_size)
+        return a.reshape(-1, self.page_size)[:, 0].astype(np.int64) // self.page_size
 
 
 class HostPool:

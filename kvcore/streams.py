@@ -7,6 +7,7 @@ support, through torch's device module for that type (``torch.get_device_module`
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from typing import Any
 
@@ -42,16 +43,48 @@ def new_stream(device: torch.device) -> Any:
 
 
 def current_stream(device: torch.device) -> Any:
-    """The stream new work on ``device`` is ordered on, or None."""
+    """The stream new work on ``device`` is ordered on, or None.
+
+    For the accelerator torch runs on this is torch's generic :class:`torch.Stream` (a lookup
+    of under a microsecond; the device module's own ``current_stream`` builds a Python
+    subclass and costs several: this is on every submit and every ``wait_layer``).
+    """
     if not has_streams(device):
         return None
-    # an int index skips parsing a torch.device on every call (this is on every submit)
+    index = device.index if device.index is not None else -1
+    if _accelerator_type() == device.type:
+        return torch.accelerator.current_stream(index if index >= 0 else None)
     return torch.get_device_module(device.type).current_stream(
-        device.index if device.index is not None else device)
+        index if index >= 0 else device)
+
+
+@functools.cache
+def _accelerator_type() -> str | None:
+    accelerator = getattr(torch, "accelerator", None)
+    if accelerator is None or not all(
+            hasattr(accelerator, f) for f in ("current_stream", "set_stream",
+                                               "current_device_index")):
+        return None
+    current = accelerator.current_accelerator()
+    return current.type if current is not None else None
+
+
+def native_handle(stream: Any) -> int:
+    """The runtime's handle of a torch stream (``cudaStream_t`` / ``hipStream_t`` as an int;
+    0: the legacy default stream)."""
+    handle = getattr(stream, "native_handle", None)
+    if handle is None:  # torch before the generic handle: the CUDA/HIP stream's own
+        handle = stream.cuda_stream
+    return int(handle)
 
 
 def new_event(device: torch.device) -> Any:
-    return torch.get_device_module(device).Event() if has_streams(device) else None
+    """A new event for ``device``'s streams, or None where it has none."""
+    if not has_streams(device):
+        return None
+    if _accelerator_type() == device.type:
+        return torch.Event(device=device)
+    return torch.get_device_module(device).Event()
 
 
 def recorded_event(device: torch.device, stream: Any) -> Any:
@@ -68,6 +101,17 @@ def on_stream(stream: Any) -> Iterator[None]:
     """Make ``stream`` current for the block (a no-op for None)."""
     if stream is None:
         yield
+        return
+    if (_accelerator_type() == stream.device.type
+            and stream.device_index == torch.accelerator.current_device_index()):
+        # the generic calls cost about a microsecond each; the device module's context
+        # manager looks streams up through its Python classes (several microseconds)
+        previous = torch.accelerator.current_stream(stream.device_index)
+        torch.accelerator.set_stream(stream)
+        try:
+            yield
+        finally:
+            torch.accelerator.set_stream(previous)
         return
     module = torch.get_device_module(stream.device)
     with module.stream(stream):

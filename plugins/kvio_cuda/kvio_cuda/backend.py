@@ -3,8 +3,6 @@ through it."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from kvcore.buildcache import load_library
@@ -26,6 +24,3 @@ class CudaBackend(NativeBackend):
         prebuilt = self.library_choice.prebuilt
         lib = load_library(path, prebuilt.sha256 if prebuilt is not None else None)
         super().__init__(device, NativeLibrary(path, lib=lib))
-
-    def raw_stream(self, stream: Any) -> int:
-        return int(stream.cuda_stream)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from kvcore.buildcache import load_library
@@ -21,7 +19,3 @@ class RocmBackend(NativeBackend):
         path = build_library(detect_gfx_arch(index))
         # loaded through the descriptor the build cache verified, not by path again
         super().__init__(device, NativeLibrary(path, lib=load_library(path)))
-
-    def raw_stream(self, stream: Any) -> int:
-        # torch exposes HIP streams through its cuda namespace on ROCm builds
-        return int(stream.cuda_stream)

@@ -1,0 +1,218 @@
+"""What one controller call costs on the CPU, part by part: each piece of the submit path timed
+alone (median of many calls, no profiler), then write(), load() and wait_layer() whole, for
+1, 4, 16 and 64 pages (MHA, 32 layers, 8 x 128 bf16, page_first, 64-token pages, device
+indices on the device). Run on a GPU machine:
+
+    python scripts/probe_call_parts.py [--json FILE]
+"""
+
+# ruff: noqa: B023  (each lambda is called at once, inside its loop turn)
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from kvcore import DevicePool, HiCacheController
+from kvcore.registry import allocate_host_pool
+
+RESULTS: dict[str, float] = {}
+
+
+class Spy:
+    """Stands in for a ctypes library: records the last call of each function, then makes it."""
+
+    def __init__(self, lib: Any) -> None:
+        self.lib = lib
+        self.calls: dict[str, tuple[Any, ...]] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        fn = getattr(self.lib, name)
+        if not name.startswith("kvio_"):
+            return fn
+
+        def call(*a: Any) -> Any:
+            self.calls[name] = a
+            return fn(*a)
+        return call
+
+
+def timed(name: str, fn: Callable[[], Any], n: int = 400, every: Callable[[], Any] | None = None,
+          ) -> None:
+    """Median microseconds of ``fn`` over ``n`` calls (``every`` runs untimed after each)."""
+    samples = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t0)
+        if every is not None:
+            every()
+    us = 1e6 * statistics.median(samples)
+    RESULTS[name] = round(us, 2)
+    print(f"{name:58s} {us:8.2f} us", flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    dev_name = "cuda"
+    idx = torch.cuda.current_device()
+    s = torch.cuda.Stream()
+    ev = torch.cuda.Event()
+    ev.record()
+    t64 = torch.arange(64, device=dev_name)
+    cpu64 = torch.arange(64)
+    cpu4k = torch.arange(4096)
+    timed("torch.cuda.current_stream()", lambda: torch.cuda.current_stream())
+    timed("torch.cuda.current_stream(idx)", lambda: torch.cuda.current_stream(idx))
+    timed("torch._C._cuda_getCurrentRawStream(idx)",
+          lambda: torch._C._cuda_getCurrentRawStream(idx))
+    print("torch.Stream has native_handle:", hasattr(torch.Stream, "native_handle"),
+          "cuda Stream is torch.Stream:", isinstance(s, torch.Stream),
+          "cuda Event is torch.Event:", isinstance(ev, torch.Event),
+          "accelerator stream type:", type(torch.accelerator.current_stream(idx)))
+    gs = torch.accelerator.current_stream(idx)
+    if hasattr(gs, "native_handle"):
+        timed("generic stream.native_handle", lambda: gs.native_handle)
+    gev = torch.Event(device=dev_name)
+    timed("torch.Event(device) + record(generic stream)", lambda: torch.Event(device=dev_name)
+          .record(gs))
+    gev.record(gs)
+    timed("generic stream.wait_event(torch.Event)", lambda: gs.wait_event(gev))
+    try:
+        timed("cuda stream.wait_event(torch.Event)", lambda: s.wait_event(gev), n=20)
+    except Exception as exc:  # noqa: BLE001
+        print("cuda stream.wait_event(torch.Event) fails:", exc)
+    try:
+        timed("torch.Event.record(cuda stream)", lambda: gev.record(s), n=20)
+    except Exception as exc:  # noqa: BLE001
+        print("torch.Event.record(cuda stream) fails:", exc)
+    timed("torch.accelerator.current_stream(idx)", lambda: torch.accelerator.current_stream(idx))
+    timed("torch.cuda.Event()", lambda: torch.cuda.Event())
+    timed("event.record(stream)", lambda: ev.record(s))
+    timed("Event() + record", lambda: torch.cuda.Event().record(s))
+    timed("stream.wait_event(event)", lambda: s.wait_event(ev))
+    timed("event.query()", lambda: ev.query())
+    timed("tensor.record_stream(stream)", lambda: t64.record_stream(s))
+    timed("stream.cuda_stream", lambda: s.cuda_stream)
+    timed("pinned empty(64)", lambda: torch.empty(64, dtype=torch.int64, pin_memory=True))
+    pinned = torch.empty(64, dtype=torch.int64, pin_memory=True)
+    timed("pinned.copy_(cpu64)", lambda: pinned.copy_(cpu64))
+    timed("pinned64.to(cuda, non_blocking)", lambda: pinned.to(dev_name, non_blocking=True))
+    dst = torch.empty(64, dtype=torch.int64, device=dev_name)
+    timed("dev64.copy_(pinned64, non_blocking)", lambda: dst.copy_(pinned, non_blocking=True))
+    timed("torch.empty(64, cuda)", lambda: torch.empty(64, dtype=torch.int64, device=dev_name))
+    timed("cpu4k.numpy().min()/max()", lambda: (cpu4k.numpy().min(), cpu4k.numpy().max()))
+    P, L = 64, 32
+    for pages in (1, 4, 16, 64):
+        n = pages * P
+        dev = DevicePool.allocate("mha", L, 2 * n, 8, 128, torch.bfloat16, dev_name, P)
+        calls = {1: 200, 4: 50, 16: 20, 64: 8}[pages]
+        host = allocate_host_pool("mha", "page_first", L, (calls + 8) * n, 8, 128,
+                                  torch.bfloat16, P, dev_name)
+        ctl = HiCacheController(dev, host)
+        d = torch.arange(n, device=dev_name)
+        from kvcore.layout import Op
+        wb = ctl.bound[(0, Op.WRITE_BACK)]
+        ll = ctl.bound[(0, Op.LOAD_LAYER)]
+        lib = wb.backend.lib
+        spy = Spy(lib._lib)
+        lib._lib = spy
+        h0 = ctl.allocator.alloc(n)
+        wb.submit(h0, d, stream=s)
+        ll.submit(h0, d, stream=s)
+        torch.cuda.synchronize()
+        lib._lib = spy.lib
+        for name, a in spy.calls.items():
+            fn = getattr(spy.lib, name)
+            timed(f"[{pages}p] raw {name}", lambda fn=fn, a=a: fn(*a), n=50,
+                  every=torch.cuda.synchronize)
+            if name == "kvio_write_back_staged":
+                b = list(a)
+                b[11] = 0  # use_batched off
+                timed(f"[{pages}p] raw {name} (batched off)", lambda fn=fn, b=b: fn(*b), n=50,
+                      every=torch.cuda.synchronize)
+        ctl.allocator.free(h0)
+        h = ctl.allocator.alloc(n)
+        hp, dp = wb.place(h, d)
+        timed(f"[{pages}p] allocator.alloc+free", lambda: ctl.allocator.free(
+            ctl.allocator.alloc(n)))
+        timed(f"[{pages}p] bound.check(write, trusted)",
+              lambda: wb.check(h, d, host_trusted=True))
+        timed(f"[{pages}p] bound.check(write, untrusted)", lambda: wb.check(h, d))
+        timed(f"[{pages}p] write bound.submit(check=False) on s",
+              lambda: wb.submit(hp, dp, stream=s, check=False), n=50,
+              every=torch.cuda.synchronize)
+        torch.cuda.synchronize()
+        lhp, ldp = ll.place(h, d)
+        torch.cuda.synchronize()
+        timed(f"[{pages}p] load_layer bound.place(cpu h, dev d)", lambda: ll.place(h, d),
+              n=100)
+        torch.cuda.synchronize()
+        timed(f"[{pages}p] load_layer bound.submit(placed, check=False) on s",
+              lambda: ll.submit(lhp, ldp, stream=s, check=False), n=50,
+              every=torch.cuda.synchronize)
+        torch.cuda.synchronize()
+        sub = ll.submit(lhp, ldp, stream=s, check=False)
+        cur = torch.cuda.current_stream()
+        timed(f"[{pages}p] Submission.wait_layer(0, stream)", lambda: sub.wait_layer(0, cur))
+        torch.cuda.synchronize()
+        acks: list[Any] = []
+        timed(f"[{pages}p] ctl.write(d)", lambda: acks.append(ctl.write(d)), n=calls)
+        timed(f"[{pages}p] ctl.poll_acks() (all done)", lambda: ctl.wait_acks(), n=1)
+        torch.cuda.synchronize()
+        timed(f"[{pages}p] ctl.poll_acks() (empty)", lambda: ctl.poll_acks())
+        it = iter(acks)
+        handles: list[Any] = []
+        timed(f"[{pages}p] ctl.load(ack.host_indices, d)",
+              lambda: handles.append(ctl.load(next(it).host_indices, d)), n=calls)
+        torch.cuda.synchronize()
+        hs = iter(handles)
+        timed(f"[{pages}p] handle.wait_layer x{L}",
+              lambda: [hd.wait_layer(i) for hd in (next(hs),) for i in range(L)], n=calls)
+        torch.cuda.synchronize()
+        for a in acks:
+            ctl.free_host(a.host_indices)
+        ctl.allocator.free(h)
+        del ctl, dev, host
+    # the copy-engine per-layer load from layer_first: 16 pages of 128-KiB slices per layer
+    n = 16 * P
+    dev = DevicePool.allocate("mha", L, 2 * n, 8, 128, torch.bfloat16, dev_name, P)
+    host = allocate_host_pool("mha", "layer_first", L, 2 * n, 8, 128, torch.bfloat16, P,
+                              dev_name)
+    ctl = HiCacheController(dev, host)
+    from kvcore.layout import Op
+    ll = ctl.bound[(0, Op.LOAD_LAYER)]
+    print("layer_first per-layer load variant:", ll.support.variant)
+    h = ctl.allocator.alloc(n)
+    d = torch.arange(n, device=dev_name)
+    lib = ll.backend.lib
+    spy = Spy(lib._lib)
+    lib._lib = spy
+    ll.submit(h, d.cpu(), stream=s, layer=3)
+    torch.cuda.synchronize()
+    lib._lib = spy.lib
+    for name, a in spy.calls.items():
+        fn = getattr(spy.lib, name)
+        timed(f"[lf16p] raw {name}", lambda fn=fn, a=a: fn(*a), n=50,
+              every=torch.cuda.synchronize)
+    hp, dp = ll.place(h, d.cpu())
+    timed("[lf16p] load_layer bound.submit(layer=3, placed) on s",
+          lambda: ll.submit(hp, dp, stream=s, layer=3, check=False), n=50,
+          every=torch.cuda.synchronize)
+    timed("[lf16p] load_layer bound.submit(all layers, placed) on s",
+          lambda: ll.submit(hp, dp, stream=s, check=False), n=20,
+          every=torch.cuda.synchronize)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(RESULTS, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
