@@ -9,7 +9,7 @@ import attrs
 import torch
 
 from kvcore.errors import InvalidArgument, TransferFailed
-from kvcore.streams import current_stream
+from kvcore.streams import current_stream, has_streams
 
 if TYPE_CHECKING:
     from kvcore.plan import Submission
@@ -51,6 +51,9 @@ class LoadHandle:
         self._on_failure = on_failure
         self._failure: TransferFailed | None = None
         self._checked = False
+        waiters = [sub.current_waiter() for sub in submissions] \
+            if has_streams(device) else []
+        self._waiters = waiters if waiters and all(w is not None for w in waiters) else None
 
     @property
     def num_layers(self) -> int:
@@ -64,7 +67,12 @@ class LoadHandle:
         """
         if not isinstance(layer, int) or not 0 <= layer < self._num_layers:
             raise InvalidArgument("layer", f"an int in [0, {self._num_layers})", repr(layer))
-        self._raise_failure()
+        if self._failure is not None:
+            raise self._failure
+        if self._waiters is not None:
+            for wait in self._waiters:
+                wait(layer)
+            return
         stream = current_stream(self._device)
         if stream is None:
             self._check(layer)

@@ -129,6 +129,11 @@ class NativeBackend:
         """The runtime's handle of a torch stream (0: the legacy default stream)."""
         return native_handle(stream)
 
+    def current_raw_stream(self) -> int:
+        """The raw handle of the device's current stream (a subclass may look it up faster;
+        this is on every ``wait_layer``)."""
+        return self.raw_stream(current_stream(self.device))
+
     def stream_handle(self, stream: Any) -> int:
         """The raw handle of ``stream``, or of the device's current stream when None."""
         return self.raw_stream(stream if stream is not None else current_stream(self.device))
@@ -385,12 +390,18 @@ class NativeLayerSignals:
                  done: BoundsCompletion) -> None:
         self._wait: Callable[[int, int, int], None] = backend.wait_signal
         self._raw_stream = backend.raw_stream
+        self._current = backend.current_raw_stream
         self._buffer = buffer  # keeps the flags alive while a wait may be enqueued
+        self._flags = buffer.flags
         self._done = done
         self.epoch = epoch
 
     def wait_layer(self, layer: int, stream: Any) -> None:
-        self._wait(self._buffer.flags + 4 * layer, self.epoch, self._raw_stream(stream))
+        self._wait(self._flags + 4 * layer, self.epoch, self._raw_stream(stream))
+
+    def wait_layer_current(self, layer: int) -> None:
+        """:meth:`wait_layer` on the device's current stream."""
+        self._wait(self._flags + 4 * layer, self.epoch, self._current())
 
     def check(self) -> None:
         self._done.check()

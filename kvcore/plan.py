@@ -39,6 +39,7 @@ from kvcore.errors import (
 )
 from kvcore.layout import Kind, Layout, Op, page_contiguous
 from kvcore.placement import IndexRing, fits, place
+from kvcore.signals import WAIT_CURRENT
 from kvcore.streams import current_stream, has_streams, on_stream, recorded_event
 from kvcore.validate import check_cpu_indices, check_index_tensor, describe_tensor
 
@@ -176,6 +177,17 @@ class Submission:
         else:
             stream.wait_event(wait)
 
+    def current_waiter(self) -> Callable[[int], None] | None:
+        """``wait(layer)``: :meth:`wait_layer` on the device's current stream, where every
+        layer's wait can look that stream up itself (a backend's LayerSignals with
+        ``wait_layer_current``: one call per layer instead of a stream lookup and a
+        dispatch); else None."""
+        waits = list(self._waits.values())
+        if not waits or any(w is not waits[0] for w in waits):
+            return None
+        fast = getattr(waits[0], WAIT_CURRENT, None)
+        return fast if callable(fast) else None
+
     def query(self) -> bool:
         return self.event is None or bool(self.event.query())
 
@@ -247,24 +259,24 @@ class BoundPlan:
         h = check_index_tensor("host_indices", host_indices, ctx)
         d = check_index_tensor("device_indices", device_indices, ctx)
         for name, t in (("host_indices", h), ("device_indices", d)):
-            if t.device.type != "cpu" and t.device != self.device:
+            if not t.is_cpu and t.device != self.device:
                 raise TensorMismatch(name, f"a tensor on cpu or {self.device}",
                                      describe_tensor(t), ctx)
         if h.numel() != d.numel():
             raise InvalidIndices("device_indices", f"{h.numel()} entries (as many as "
                                   "host_indices)", f"{d.numel()}", ctx)
-        if self.op is Op.LOAD_LAYER and layer is not None and (
-                not isinstance(layer, int) or not 0 <= layer < self.num_layers):
-            raise InvalidArgument("layer", f"an int in [0, {self.num_layers}) or None (every "
-                                  "layer)", repr(layer), ctx)
-        if self.op is not Op.LOAD_LAYER and layer is not None:
-            raise InvalidArgument("layer", f"None ({self.op.value} moves every layer)",
-                                  repr(layer), ctx)
+        if layer is not None:
+            if self.op is not Op.LOAD_LAYER:
+                raise InvalidArgument("layer", f"None ({self.op.value} moves every layer)",
+                                      repr(layer), ctx)
+            if not isinstance(layer, int) or not 0 <= layer < self.num_layers:
+                raise InvalidArgument("layer", f"an int in [0, {self.num_layers}) or None "
+                                      "(every layer)", repr(layer), ctx)
         write = self.op is Op.WRITE_BACK
-        if h.device.type == "cpu" and not host_trusted:
+        if h.is_cpu and not host_trusted:
             check_cpu_indices("host_indices", h, self._host_size, ctx,
                               page_size=self._page_size, unique=write)
-        if d.device.type == "cpu":
+        if d.is_cpu:
             check_cpu_indices("device_indices", d, self._device_size, ctx, unique=not write)
         return h, d
 

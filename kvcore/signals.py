@@ -30,6 +30,12 @@ class LayerSignals(Protocol):
         ...
 
 
+#: LayerSignals may also offer ``wait_layer_current(layer)``: :meth:`LayerSignals.wait_layer`
+#: on the device's current stream, looked up however the backend does it fastest; the
+#: controller's ``wait_layer`` then calls it instead of looking the stream up itself
+WAIT_CURRENT = "wait_layer_current"
+
+
 class EventLayerSignals:
     """LayerSignals from one stream event per layer, recorded after each layer's work: what a
     backend returns when it issued the layers one by one after all. A None event (a device

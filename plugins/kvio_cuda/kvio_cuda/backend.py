@@ -24,3 +24,11 @@ class CudaBackend(NativeBackend):
         prebuilt = self.library_choice.prebuilt
         lib = load_library(path, prebuilt.sha256 if prebuilt is not None else None)
         super().__init__(device, NativeLibrary(path, lib=lib))
+        self._index = device.index if device.index is not None else torch.cuda.current_device()
+        # torch's own lookup of the current stream's handle, without building a stream object
+        self._raw_current = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+    def current_raw_stream(self) -> int:
+        if self._raw_current is None:
+            return super().current_raw_stream()
+        return int(self._raw_current(self._index))
