@@ -462,12 +462,13 @@ def _bad_call(env: Env, case: Case, rig: Rig) -> Refusal:
 def _controller_call(env: Env, case: Case, rig: Rig) -> tuple[Refusal, HiCacheController]:
     ctl = HiCacheController(rig.device_pool, rig.host_pool, backend=env.backend,
                             registry=env.registry)
-    d = rig.device_indices.to(env.device)
     if case.bad == "controller_host_full":
         too_many = tokens(torch.arange(rig.device_pool.size // case.page_size), case.page_size)
         return Refusal(lambda: ctl.write(too_many.to(env.device)), AllocatorError, None), ctl
-    return Refusal(lambda: ctl.write(d + rig.device_pool.size), InvalidIndices,
-                   "device_indices"), ctl
+    # CPU indices: their values are checked before anything is enqueued (device-resident ones
+    # fail the write at completion instead, see tests/gpu/test_submit_path.py)
+    bad = rig.device_indices.cpu() + rig.device_pool.size
+    return Refusal(lambda: ctl.write(bad), InvalidIndices, "device_indices"), ctl
 
 
 def check_refusal(env: Env, case: Case) -> None:
