@@ -36,6 +36,7 @@ from kvcore.errors import (
     DeviceFault,
     InvalidArgument,
     InvalidIndices,
+    RanksFailed,
     TensorMismatch,
     TransferFailed,
 )
@@ -92,7 +93,12 @@ class HiCacheController:
         members: extra (device_pool, host_pool) pairs of a pool group; each resolves its own
             plans and all share the first host pool's slot allocator.
         verify: run a one-page round trip against the reference backend at construction.
-        process_group: a torch.distributed group whose ranks must resolve identical plans.
+        process_group: a torch.distributed group whose ranks must resolve identical plans
+            and acknowledge only writes completed on every rank (every rank must then call
+            poll_acks() or wait_acks() in step).
+        agreement_timeout_s: how long construction waits for the slowest rank's plans.
+        ack_timeout_s: how long an acknowledgement round waits for the other ranks; a rank
+            that does not take part in time fails it with RanksFailed naming that rank.
         registry: the registry to resolve in (default: the process-wide one).
     """
 
@@ -103,7 +109,7 @@ class HiCacheController:
                  members: Sequence[tuple[DevicePool, HostPool]] = (),
                  verify: bool = False, selective_threshold: int = 2,
                  process_group: Any = None, agreement_timeout_s: float = 60.0,
-                 registry: Registry | None = None) -> None:
+                 ack_timeout_s: float = 10.0, registry: Registry | None = None) -> None:
         self.write_policy = parse_enum(WritePolicy, write_policy, "write_policy")
         self.selective_threshold = selective_threshold
         self.members = [PoolPair(device_pool, host_pool)] + [PoolPair(d, h) for d, h in members]
@@ -131,6 +137,11 @@ class HiCacheController:
             from kvcore.distributed import agree_on_plans
 
             agree_on_plans(self.plan_facts(), process_group, agreement_timeout_s)
+        self._ack_rounds: Any = None
+        if process_group is not None:
+            from kvcore.distributed import AckAgreement
+
+            self._ack_rounds = AckAgreement(process_group, ack_timeout_s)
         self.write_stream = new_stream(self.device)
         self.load_stream = new_stream(self.device)
         self._fence = Fence(self.device)
@@ -229,6 +240,8 @@ class HiCacheController:
             self.allocator.free(host_indices)
 
     def _drain(self, block: bool) -> list[WriteAck]:
+        if self._ack_rounds is not None and self._ack_rounds.broken is not None:
+            self._abandon_after_lost_group()
         if self._unusable is not None:
             finished = self._take_finished()
             if finished:  # completed and checked before the fault: their pages are backed up
@@ -282,12 +295,7 @@ class HiCacheController:
 
     def _abandon_pending(self) -> None:
         """After a device fault nothing queued can be trusted: release it all and refuse."""
-        dropped = 0
-        while self._pending:
-            p = self._pending.popleft()
-            if p.owns_host:
-                self.allocator.free(p.ack.host_indices)
-            dropped += 1
+        dropped = self._release_pending()
         self._join_ack_round()
         self._check_usable(f"; {dropped} queued write-backs were dropped and their host "
                            "slots released" if dropped else "")
@@ -295,16 +303,40 @@ class HiCacheController:
     def _join_ack_round(self) -> None:
         """Take part in this poll's all-reduce with no new acks before raising, so peer ranks
         polling at the same time hold their acks back instead of waiting for this rank."""
-        if self.process_group is not None:
+        if self._ack_rounds is not None and self._ack_rounds.broken is None:
             with contextlib.suppress(Exception):  # the device may be what failed
                 self._agree_acks([])
 
-    def _agree_acks(self, done: list[PendingWrite]) -> list[WriteAck]:
-        if self.process_group is None:
-            return [p.ack for p in done]
-        from kvcore.distributed import min_across_ranks
+    def _release_pending(self) -> int:
+        """Drop every queued write and release the host slots it owns; return how many."""
+        dropped = 0
+        while self._pending:
+            p = self._pending.popleft()
+            if p.owns_host:
+                self.allocator.free(p.ack.host_indices)
+            dropped += 1
+        return dropped
 
-        keep = min_across_ranks(self.completed_writes + len(done), self.process_group)
+    def _abandon_after_lost_group(self) -> None:
+        """The ranks can no longer agree: nothing queued will be acknowledged. The copies
+        still running are waited for before their host slots are released (another
+        controller may share the allocator), then the controller refuses every call."""
+        assert self._ack_rounds is not None and self._ack_rounds.broken is not None
+        if self._unusable is None:
+            self._unusable = self._ack_rounds.broken
+        if self._pending:
+            _drain_stream(self.write_stream)
+            self._release_pending()
+
+    def _agree_acks(self, done: list[PendingWrite]) -> list[WriteAck]:
+        if self._ack_rounds is None:
+            return [p.ack for p in done]
+        try:
+            keep = self._ack_rounds.min(self.completed_writes + len(done))
+        except RanksFailed:
+            self._requeue_done(done)  # completed here, but not known to be everywhere
+            self._abandon_after_lost_group()
+            raise
         keep -= self.completed_writes
         self._requeue_done(done[keep:])  # not yet done everywhere: report them later
         return [p.ack for p in done[:keep]]

@@ -14,8 +14,9 @@ Two pieces, both used by :class:`~kvcore.controller.HiCacheController` when it i
   arrived. :func:`failing_together` wraps the construction up to the exchange (resolution,
   checks, start-up verification), so a rank which raises there publishes its error instead
   of vanishing.
-* :func:`min_across_ranks` is an all-reduce MIN, as tensor-parallel engines use to advance
-  acknowledgements only as far as every rank has completed.
+* :class:`AckAgreement` is an all-reduce MIN, as tensor-parallel engines use to advance
+  acknowledgements only as far as every rank has completed, with a bounded wait that names
+  a rank which stopped taking part (:func:`min_across_ranks` is the unbounded collective).
 
 The generation counts exchanges per group in this process; ranks construct controllers
 collectively, so their counters agree and a later exchange never reads an earlier one's keys.
@@ -28,6 +29,7 @@ import pickle
 import threading
 import time
 from collections.abc import Iterator, Sequence
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -37,8 +39,10 @@ from kvcore.errors import PlanMismatch, RanksFailed
 from kvcore.streams import resolve_device
 
 KEY_PREFIX = "kvcore/plan"
+ACK_KEY_PREFIX = "kvcore/acks"
 
 _generations: dict[str, int] = {}
+_ack_generations: dict[str, int] = {}
 _local = threading.local()  # .scopes: per open failing_together, has this rank published yet?
 
 
@@ -57,6 +61,82 @@ def min_across_ranks(count: int, process_group: Any) -> int:
     t = torch.tensor([count], dtype=torch.int64, device=_collective_device(process_group))
     dist.all_reduce(t, op=dist.ReduceOp.MIN, group=process_group)
     return int(t.item())
+
+
+class AckAgreement:
+    """The acknowledgement rounds of one controller over the ranks of ``process_group``.
+
+    Each round is an all-reduce MIN (:meth:`min`) whose wait is bounded by ``timeout_s``:
+    a rank that does not take part in time (stopped, dead, or not polling: every rank must
+    call ``poll_acks()``/``wait_acks()`` in step) fails the round with
+    :class:`~kvcore.errors.RanksFailed` naming it, instead of blocking for the process group's
+    own timeout. To name it, each rank writes the number of the round it entered into the
+    group's store (one key per rank, overwritten each round) before it reduces. A failed
+    round leaves the group unable to agree again (a collective may still be pending in it):
+    every later round raises the same error.
+    """
+
+    def __init__(self, process_group: Any, timeout_s: float,
+                 store: dist.Store | None = None) -> None:
+        self.process_group = process_group
+        self.timeout_s = timeout_s
+        self.rank = dist.get_rank(process_group)
+        self.world = dist.get_world_size(process_group)
+        self.store = store if store is not None else _group_store(process_group)
+        name = getattr(process_group, "group_name", None) or "world"
+        self.generation = _ack_generations.get(name, 0)
+        _ack_generations[name] = self.generation + 1
+        self.round = 0
+        self.broken: RanksFailed | None = None
+
+    def key(self, rank: int) -> str:
+        return f"{ACK_KEY_PREFIX}/{self.generation}/{rank}"
+
+    def min(self, count: int) -> int:
+        """The minimum of ``count`` over the ranks, or RanksFailed (see the class)."""
+        if self.broken is not None:
+            raise self.broken
+        self.round += 1
+        try:
+            self.store.set(self.key(self.rank), str(self.round))
+        except Exception as exc:  # any store failure means a lost host
+            raise self._fail(self._store_lost(exc)) from exc
+        t = torch.tensor([count], dtype=torch.int64,
+                         device=_collective_device(self.process_group))
+        try:
+            work = dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.process_group,
+                                   async_op=True)
+            work.wait(timeout=timedelta(seconds=self.timeout_s))
+        except Exception as exc:  # a timeout or a lost peer
+            raise self._fail(self._who_is_missing(exc)) from exc
+        return int(t.item())
+
+    def _store_lost(self, exc: BaseException) -> tuple[str, list[int]]:
+        return (f"the store became unreachable ({type(exc).__name__}: {exc}); the rank "
+                "hosting it (usually rank 0) has probably exited", [0] if self.rank else [])
+
+    def _who_is_missing(self, exc: BaseException) -> tuple[str, list[int]]:
+        try:
+            behind = [r for r in range(self.world) if r != self.rank and (
+                not self.store.check([self.key(r)])
+                or int(self.store.get(self.key(r))) < self.round)]
+        except Exception as lost:  # noqa: BLE001 - the store host is gone too
+            return self._store_lost(lost)
+        if not behind:
+            return f"the collective failed ({type(exc).__name__}: {exc})", []
+        names = ", ".join(map(str, behind))
+        return (f"rank{'s' if len(behind) > 1 else ''} {names} did not take part within "
+                f"{self.timeout_s:g} s (stopped, dead, or not polling: every rank must call "
+                f"poll_acks() or wait_acks() in step; {type(exc).__name__}: "
+                f"{str(exc).splitlines()[0] if str(exc) else ''})", behind)
+
+    def _fail(self, why: tuple[str, list[int]]) -> RanksFailed:
+        message, missing = why
+        self.broken = RanksFailed(
+            f"acknowledgement round {self.round} failed on rank {self.rank} of {self.world}: "
+            f"{message}; no write can be acknowledged through this group any more: recreate "
+            "the process group and the controller", {}, missing)
+        return self.broken
 
 
 def agree_on_plans(facts: Sequence[dict[str, object]], process_group: Any,

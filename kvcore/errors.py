@@ -141,7 +141,8 @@ class PlanMismatch(KVCoreError, RuntimeError):
 
 
 class RanksFailed(PlanMismatch):
-    """Plan agreement could not complete: a peer rank failed before it or never arrived.
+    """Agreement across ranks (on plans, or on acknowledgements) could not complete: a peer
+    rank failed before it, never arrived, or stopped taking part.
 
     ``failed`` maps each failed rank to its error; ``missing`` lists ranks that did not answer.
     """

@@ -49,6 +49,8 @@ def run_rank(rank: int, world: int, port: int, plays: list[tuple[str, int, float
             if rank == odd_rank:
                 os._exit(17)  # gone before the exchange
             dead = odd_rank
+        if scenario == "dead_acks":
+            dead = odd_rank  # exits inside the scenario, after the exchange
         started = time.monotonic()
         try:
             outcome: tuple = ("ok", SCENARIOS[scenario](rank, world, odd_rank, timeout_s))
@@ -200,6 +202,62 @@ def failed_ack(rank: int, world: int, odd_rank: int, timeout_s: float) -> object
                 "freed": host.allocator.available_size() - free_before}
 
 
+ACK_TIMEOUT_S = 2.0
+FROZEN_S = 8.0
+
+
+def _one_write(rank: int, odd_rank: int, timeout_s: float,
+               ) -> tuple[HiCacheController, HostPool, int]:
+    reg, _ = registry_for(rank, -1, "acks")
+    dev = DevicePool.allocate("mha", LAYERS, SIZE, 2, 8, torch.float16, "cpu", PAGE)
+    host = allocate_host_pool("mha", "page_first", LAYERS, SIZE, 2, 8, torch.float16, PAGE,
+                             "cpu", registry=reg)
+    ctl = HiCacheController(dev, host, registry=reg, process_group=dist.group.WORLD,
+                            agreement_timeout_s=timeout_s, ack_timeout_s=ACK_TIMEOUT_S)
+    free = host.allocator.available_size()
+    ctl.write(torch.arange(PAGE))
+    return ctl, host, free
+
+
+def _poll_after_peer_left(ctl: HiCacheController, host: HostPool, free: int) -> object:
+    """Poll once (must fail naming the peer, in bounded time), then again (refused)."""
+    from kvcore.errors import ControllerUnusable, RanksFailed
+
+    started = time.monotonic()
+    try:
+        ctl.poll_acks()
+    except RanksFailed as exc:
+        first = {"error": str(exc), "missing": exc.missing,
+                 "seconds": time.monotonic() - started}
+    else:
+        raise AssertionError("poll_acks() acknowledged with a peer gone")
+    try:
+        ctl.poll_acks()
+    except ControllerUnusable as exc:
+        second = str(exc)
+    else:
+        raise AssertionError("the controller polled again after the group was lost")
+    return {**first, "second": second, "leaked": free - host.allocator.available_size()}
+
+
+def frozen_acks(rank: int, world: int, odd_rank: int, timeout_s: float) -> object:
+    """The odd rank stops (never polls); the others poll with a 2-s bound."""
+    ctl, host, free = _one_write(rank, odd_rank, timeout_s)
+    if rank == odd_rank:
+        time.sleep(FROZEN_S)
+        return "stopped"
+    return _poll_after_peer_left(ctl, host, free)
+
+
+def dead_acks(rank: int, world: int, odd_rank: int, timeout_s: float) -> object:
+    """The odd rank exits after its write; the others poll."""
+    ctl, host, free = _one_write(rank, odd_rank, timeout_s)
+    if rank == odd_rank:
+        os._exit(17)
+    time.sleep(1.0)  # let the exit land first
+    return _poll_after_peer_left(ctl, host, free)
+
+
 SCENARIOS = {
     "agree": lambda r, w, o, t: construct(r, w, o, t, "agree"),
     "agree_again": lambda r, w, o, t: construct(r, w, o, t, "agree"),
@@ -209,4 +267,6 @@ SCENARIOS = {
     "die": lambda r, w, o, t: construct(r, w, o, t, "die"),
     "acks": acks,
     "failed_ack": failed_ack,
+    "frozen_acks": frozen_acks,
+    "dead_acks": dead_acks,
 }

@@ -16,7 +16,7 @@ import pytest
 
 from kvcore.distributed import describe_mismatch
 
-from .rank_worker import ACK_SCHEDULE, TWIN, WRITES, run_rank
+from .rank_worker import ACK_SCHEDULE, ACK_TIMEOUT_S, TWIN, WRITES, run_rank
 
 JOIN_S = 90.0  # a generous bound on a whole group: a rank still running after it hung
 PLAYS = [("agree", -1, 30.0), ("backend", -1, 30.0), ("residency", 0, 30.0),
@@ -180,6 +180,35 @@ def test_when_the_rank_hosting_the_store_dies_its_peers_fail_at_once() -> None:
                               "unreachable (")
     assert message.endswith("has probably exited; no word from rank 0")
     assert out[1][-1] < 30.0, "it did not wait for the deadline"
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_rank_that_stops_polling_is_named_within_the_ack_timeout(world: int) -> None:
+    odd = world - 1
+    out = spawn(world, [("frozen_acks", odd, 30.0)])["frozen_acks"]
+    assert sorted(out) == list(range(world))
+    assert out[odd][:2] == ("ok", "stopped")
+    for r in range(odd):
+        assert out[r][0] == "ok", out[r]
+        got = out[r][1]
+        assert got["missing"] == [odd]
+        assert f"rank {odd} did not take part within {ACK_TIMEOUT_S:g} s" in got["error"]
+        assert "every rank must call poll_acks() or wait_acks() in step" in got["error"]
+        assert ACK_TIMEOUT_S <= got["seconds"] < ACK_TIMEOUT_S + 3, "bounded, not the 30-s " \
+            "process-group timeout"
+        assert "acknowledgement round 1 failed" in got["second"]
+        assert got["leaked"] == 0, "the unacknowledged write's host slots were released"
+
+
+def test_a_rank_that_dies_is_named_by_the_next_ack_round() -> None:
+    out = spawn(2, [("dead_acks", 1, 30.0)])["dead_acks"]
+    assert list(out) == [0]
+    assert out[0][0] == "ok", out[0]
+    got = out[0][1]
+    assert got["missing"] == [1]
+    assert "rank 1 did not take part" in got["error"]
+    assert got["seconds"] < ACK_TIMEOUT_S + 3
+    assert got["leaked"] == 0
 
 
 def test_describe_mismatch_groups_ranks_and_names_missing_plans() -> None:
