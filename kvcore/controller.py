@@ -22,7 +22,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
-import itertools
 import threading
 import weakref
 from collections.abc import Callable, Sequence
@@ -148,7 +147,8 @@ class HiCacheController:
         # id -> (weak reference, version) of host index tensors made by this allocator
         self._issued: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
         self._pending: collections.deque[PendingWrite] = collections.deque()
-        self._ids = itertools.count()
+        self._next_id = 0  # ids agree across ranks: they issue the same writes in order
+        self._doomed: list[PendingWrite] = []  # failed on a peer, still copying here
         self._unusable: BaseException | None = None
         self.completed_writes = 0
         # one caller at a time: the allocator, the queue of pending writes and the streams'
@@ -208,7 +208,8 @@ class HiCacheController:
                 raise self._failure("write-back", exc) from exc
             if owns:
                 self._remember(h)
-            ack = WriteAck(next(self._ids), h, d)
+            ack = WriteAck(self._next_id, h, d)
+            self._next_id += 1
             self._pending.append(PendingWrite(ack, subs[-1].event, subs, owns))
             return ack
 
@@ -240,8 +241,8 @@ class HiCacheController:
             self.allocator.free(host_indices)
 
     def _drain(self, block: bool) -> list[WriteAck]:
-        if self._ack_rounds is not None and self._ack_rounds.broken is not None:
-            self._abandon_after_lost_group()
+        if self._ack_rounds is not None:
+            return self._drain_agreed(block)
         if self._unusable is not None:
             finished = self._take_finished()
             if finished:  # completed and checked before the fault: their pages are backed up
@@ -266,7 +267,6 @@ class HiCacheController:
                     self.allocator.free(p.ack.host_indices)
                 self._record_fault(exc)
                 self._requeue_done(done)
-                self._join_ack_round()
                 raise TransferFailed(
                     f"write-back {p.ack.id} failed at completion; its "
                     f"{p.ack.host_indices.numel()} host slots were released: {exc}", exc) from exc
@@ -274,9 +274,108 @@ class HiCacheController:
         return self._acknowledge(done)
 
     def _acknowledge(self, done: list[PendingWrite]) -> list[WriteAck]:
-        acks = self._agree_acks(done)
-        self.completed_writes += len(acks)
-        return acks
+        self.completed_writes += len(done)
+        return [p.ack for p in done]
+
+    def _drain_agreed(self, block: bool) -> list[WriteAck]:
+        """:meth:`_drain` across the ranks of the process group: each queued write's status
+        here (completed, pending, failed) goes into one all-reduce MIN by write id, so a write
+        is acknowledged once it completed on every rank, and once it failed on any it is
+        dropped on all: never acknowledged, its host slots released (after its copy here
+        finished), and TransferFailed raised on every rank in the same poll (the writes
+        agreed complete in that poll are returned by the next)."""
+        rounds = self._ack_rounds
+        assert rounds is not None
+        if rounds.broken is not None:
+            self._abandon_after_lost_group()
+            self._check_usable()
+        self._reap_doomed(block)
+        here = self._statuses_here(block)
+        lo = self._pending[0].ack.id if self._pending else self._next_id
+        mine = rounds.rank - rounds.world  # FAILED here, so that MIN names the lowest rank
+        try:
+            agreed = rounds.min_each([mine if here.get(lo + k) == _FAILED
+                                      else here.get(lo + k, _PENDING)
+                                      for k in range(ACK_WINDOW)])
+        except RanksFailed:
+            self._abandon_after_lost_group()
+            raise
+        acked: list[PendingWrite] = []
+        failed: list[tuple[PendingWrite, int]] = []
+        keep: collections.deque[PendingWrite] = collections.deque()
+        for p in self._pending:
+            k = p.ack.id - lo
+            verdict = agreed[k] if k < ACK_WINDOW else _PENDING
+            if verdict == _OK:
+                acked.append(p)
+            elif verdict < 0:
+                failed.append((p, verdict + rounds.world))
+                if p.failed is None:  # completed here, or still copying
+                    self._doomed.append(p)
+            else:
+                keep.append(p)
+        self._pending = keep
+        self._reap_doomed(block=False)
+        if failed:
+            self._requeue_done(acked)
+            raise TransferFailed(_failed_message(failed, rounds.rank),
+                                 next((p.failed for p, _ in failed if p.failed), None))
+        self.completed_writes += len(acked)
+        if self._unusable is not None and not acked:
+            self._check_usable()
+        return [p.ack for p in acked]
+
+    def _statuses_here(self, block: bool) -> dict[int, int]:
+        """Each queued write's status on this rank, in submission order (one still running
+        makes the later ones pending). A write that failed here has its host slots released
+        at once: its copy has finished (or the device is lost)."""
+        here: dict[int, int] = {}
+        running = False
+        for p in self._pending:
+            i = p.ack.id
+            if p.failed is not None:
+                here[i] = _FAILED
+            elif p.event is None and not p.completions:
+                here[i] = _OK  # checked by an earlier poll
+            elif self._unusable is not None:  # nothing more completes on a lost device
+                self._fail_here(p, self._unusable)
+                here[i] = _FAILED
+            elif running or (p.event is not None and not block and not p.event.query()):
+                running = True
+                here[i] = _PENDING
+            else:
+                try:
+                    if p.event is not None:
+                        p.event.synchronize()
+                    for c in p.completions:
+                        c.check()
+                except Exception as exc:  # noqa: BLE001 - the write's outcome here
+                    self._record_fault(exc)
+                    self._fail_here(p, exc)
+                    here[i] = _FAILED
+                    continue
+                p.event, p.completions = None, []
+                here[i] = _OK
+        return here
+
+    def _fail_here(self, p: PendingWrite, exc: BaseException) -> None:
+        p.failed = exc
+        if p.owns_host:
+            self.allocator.free(p.ack.host_indices)
+
+    def _reap_doomed(self, block: bool) -> None:
+        """Release the host slots of writes a peer failed once their copy here finished."""
+        still = []
+        for p in self._doomed:
+            if p.event is not None:
+                if not block and not p.event.query():
+                    still.append(p)
+                    continue
+                with contextlib.suppress(Exception):  # a fault is reported by its own poll
+                    p.event.synchronize()
+            if p.owns_host:
+                self.allocator.free(p.ack.host_indices)
+        self._doomed = still
 
     def _take_finished(self) -> list[PendingWrite]:
         """The writes at the front of the queue that already completed and were checked
@@ -296,16 +395,8 @@ class HiCacheController:
     def _abandon_pending(self) -> None:
         """After a device fault nothing queued can be trusted: release it all and refuse."""
         dropped = self._release_pending()
-        self._join_ack_round()
         self._check_usable(f"; {dropped} queued write-backs were dropped and their host "
                            "slots released" if dropped else "")
-
-    def _join_ack_round(self) -> None:
-        """Take part in this poll's all-reduce with no new acks before raising, so peer ranks
-        polling at the same time hold their acks back instead of waiting for this rank."""
-        if self._ack_rounds is not None and self._ack_rounds.broken is None:
-            with contextlib.suppress(Exception):  # the device may be what failed
-                self._agree_acks([])
 
     def _release_pending(self) -> int:
         """Drop every queued write and release the host slots it owns; return how many."""
@@ -324,22 +415,11 @@ class HiCacheController:
         assert self._ack_rounds is not None and self._ack_rounds.broken is not None
         if self._unusable is None:
             self._unusable = self._ack_rounds.broken
-        if self._pending:
+        if self._pending or self._doomed:
             _drain_stream(self.write_stream)
+            self._pending.extend(p for p in self._doomed)
+            self._doomed = []
             self._release_pending()
-
-    def _agree_acks(self, done: list[PendingWrite]) -> list[WriteAck]:
-        if self._ack_rounds is None:
-            return [p.ack for p in done]
-        try:
-            keep = self._ack_rounds.min(self.completed_writes + len(done))
-        except RanksFailed:
-            self._requeue_done(done)  # completed here, but not known to be everywhere
-            self._abandon_after_lost_group()
-            raise
-        keep -= self.completed_writes
-        self._requeue_done(done[keep:])  # not yet done everywhere: report them later
-        return [p.ack for p in done[:keep]]
 
     # -- load ------------------------------------------------------------------------------
 
@@ -418,6 +498,22 @@ class HiCacheController:
             raise ControllerUnusable(
                 f"the controller is unusable after a device fault: {self._unusable}{detail}; "
                 "recreate it (and the device context) to continue")
+
+
+#: write statuses in an acknowledgement round (a failure is sent as rank - world, below 0)
+_OK, _PENDING, _FAILED = 2, 1, 0
+#: writes one round decides on, from the oldest undecided one
+ACK_WINDOW = 64
+
+
+def _failed_message(failed: list[tuple[PendingWrite, int]], rank: int) -> str:
+    ids = ", ".join(str(p.ack.id) for p, _ in failed)
+    ranks = sorted({r for _, r in failed})
+    here = next((p.failed for p, _ in failed if p.failed is not None), None)
+    where = ", ".join(f"rank {r}" for r in ranks)
+    cause = f": {here}" if here is not None else ""
+    return (f"write-back {ids} failed at completion on {where} (this is rank {rank}); it is "
+            f"acknowledged on no rank and its host slots were released{cause}")
 
 
 def _check_pair(i: int, m: PoolPair, first: PoolPair) -> None:

@@ -14,9 +14,10 @@ Two pieces, both used by :class:`~kvcore.controller.HiCacheController` when it i
   arrived. :func:`failing_together` wraps the construction up to the exchange (resolution,
   checks, start-up verification), so a rank which raises there publishes its error instead
   of vanishing.
-* :class:`AckAgreement` is an all-reduce MIN, as tensor-parallel engines use to advance
-  acknowledgements only as far as every rank has completed, with a bounded wait that names
-  a rank which stopped taking part (:func:`min_across_ranks` is the unbounded collective).
+* :class:`AckAgreement` is an elementwise all-reduce MIN over the status of each queued write
+  (completed, pending, failed on rank r), so a write is acknowledged only once it completed on
+  every rank and dropped everywhere once it failed on any, with a bounded wait that names a
+  rank which stopped taking part.
 
 The generation counts exchanges per group in this process; ranks construct controllers
 collectively, so their counters agree and a later exchange never reads an earlier one's keys.
@@ -52,21 +53,10 @@ def _scopes() -> list[bool]:
     return _local.scopes
 
 
-def min_across_ranks(count: int, process_group: Any) -> int:
-    """The minimum of ``count`` over the ranks of ``process_group`` (a collective call).
-
-    The int64 tensor lives where the group's backend reduces: on the CPU for groups with a
-    CPU backend (gloo), else on the current accelerator (NCCL, RCCL).
-    """
-    t = torch.tensor([count], dtype=torch.int64, device=_collective_device(process_group))
-    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=process_group)
-    return int(t.item())
-
-
 class AckAgreement:
     """The acknowledgement rounds of one controller over the ranks of ``process_group``.
 
-    Each round is an all-reduce MIN (:meth:`min`) whose wait is bounded by ``timeout_s``:
+    Each round is an all-reduce MIN (:meth:`min_each`) whose wait is bounded by ``timeout_s``:
     a rank that does not take part in time (stopped, dead, or not polling: every rank must
     call ``poll_acks()``/``wait_acks()`` in step) fails the round with
     :class:`~kvcore.errors.RanksFailed` naming it, instead of blocking for the process group's
@@ -92,8 +82,9 @@ class AckAgreement:
     def key(self, rank: int) -> str:
         return f"{ACK_KEY_PREFIX}/{self.generation}/{rank}"
 
-    def min(self, count: int) -> int:
-        """The minimum of ``count`` over the ranks, or RanksFailed (see the class)."""
+    def min_each(self, values: Sequence[int]) -> list[int]:
+        """The elementwise minimum of ``values`` (equally long on every rank) over the ranks,
+        or RanksFailed (see the class)."""
         if self.broken is not None:
             raise self.broken
         self.round += 1
@@ -101,7 +92,7 @@ class AckAgreement:
             self.store.set(self.key(self.rank), str(self.round))
         except Exception as exc:  # any store failure means a lost host
             raise self._fail(self._store_lost(exc)) from exc
-        t = torch.tensor([count], dtype=torch.int64,
+        t = torch.tensor(list(values), dtype=torch.int64,
                          device=_collective_device(self.process_group))
         try:
             work = dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.process_group,
@@ -109,7 +100,7 @@ class AckAgreement:
             work.wait(timeout=timedelta(seconds=self.timeout_s))
         except Exception as exc:  # a timeout or a lost peer
             raise self._fail(self._who_is_missing(exc)) from exc
-        return int(t.item())
+        return [int(v) for v in t.tolist()]
 
     def _store_lost(self, exc: BaseException) -> tuple[str, list[int]]:
         return (f"the store became unreachable ({type(exc).__name__}: {exc}); the rank "

@@ -32,6 +32,9 @@ class PendingWrite:
     event: Any
     completions: list[Any]
     owns_host: bool
+    #: the error that failed it on this rank (a controller with a process group keeps it
+    #: queued until every rank knows)
+    failed: BaseException | None = None
 
 
 class LoadHandle:

@@ -182,24 +182,32 @@ def _acks(gate: _Gate, rank: int, world: int, odd_rank: int, timeout_s: float) -
 
 
 def failed_ack(rank: int, world: int, odd_rank: int, timeout_s: float) -> object:
-    """Every rank writes once; the odd rank's write fails at completion. Every rank polls."""
+    """Every rank writes 3 pages; the odd rank's second write fails at completion. Every rank
+    waits for its acks twice."""
     from kvcore.layout import Op
     from kvcore.testing.faults import Fault, FaultMode, fault_backend
 
     reg = Registry({"KVCORE_PLUGINS": ""})
     with fault_backend(registry=reg) as faults:
         if rank == odd_rank:
-            faults.arm(Fault(Op.WRITE_BACK, nth=1, mode=FaultMode.ASYNC))
+            faults.arm(Fault(Op.WRITE_BACK, nth=2, mode=FaultMode.ASYNC))
         dev = DevicePool.allocate("mha", LAYERS, SIZE, 2, 8, torch.float16, "cpu", PAGE)
         host = allocate_host_pool("mha", "page_first", LAYERS, SIZE, 2, 8, torch.float16, PAGE,
                                  "cpu", registry=reg)
         ctl = HiCacheController(dev, host, backend=faults.name, registry=reg,
                                 process_group=dist.group.WORLD, agreement_timeout_s=timeout_s)
-        ctl.write(torch.arange(PAGE))
         free_before = host.allocator.available_size()
-        first = [a.id for a in ctl.wait_acks()]  # the odd rank raises here
-        return {"first": first, "pending": ctl.pending_writes,
-                "freed": host.allocator.available_size() - free_before}
+        for page in range(WRITES):
+            ctl.write(page * PAGE + torch.arange(PAGE))
+        polls = []
+        for _ in range(2):
+            try:
+                polls.append(("acked", [a.id for a in ctl.wait_acks()]))
+            except Exception as exc:  # noqa: BLE001 - the outcome is what the test checks
+                polls.append((type(exc).__name__, str(exc)))
+        return {"polls": polls, "pending": ctl.pending_writes,
+                "completed": ctl.completed_writes,
+                "held": free_before - host.allocator.available_size()}
 
 
 ACK_TIMEOUT_S = 2.0
