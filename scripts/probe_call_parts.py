@@ -57,6 +57,24 @@ def timed(name: str, fn: Callable[[], Any], n: int = 400, every: Callable[[], An
     print(f"{name:58s} {us:8.2f} us", flush=True)
 
 
+def raw_calls(lib: Any, tag: str, submit: Callable[[], Any],
+              ) -> list[tuple[str, Any, tuple[Any, ...]]]:
+    """Run ``submit`` with ``lib``'s ctypes library spied on, then time each library function
+    it called alone with the same arguments; return (name, function, arguments)."""
+    spy = Spy(lib._lib)
+    lib._lib = spy
+    try:
+        submit()
+        torch.cuda.synchronize()
+    finally:
+        lib._lib = spy.lib
+    calls = [(name, getattr(spy.lib, name), a) for name, a in spy.calls.items()]
+    for name, fn, a in calls:
+        timed(f"{tag} raw {name}", lambda fn=fn, a=a: fn(*a), n=50,
+              every=torch.cuda.synchronize)
+    return calls
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
@@ -121,18 +139,9 @@ def main() -> None:
         from kvcore.layout import Op
         wb = ctl.bound[(0, Op.WRITE_BACK)]
         ll = ctl.bound[(0, Op.LOAD_LAYER)]
-        lib = wb.backend.lib
-        spy = Spy(lib._lib)
-        lib._lib = spy
         h0 = ctl.allocator.alloc(n)
-        wb.submit(h0, d, stream=s)
-        ll.submit(h0, d, stream=s)
-        torch.cuda.synchronize()
-        lib._lib = spy.lib
-        for name, a in spy.calls.items():
-            fn = getattr(spy.lib, name)
-            timed(f"[{pages}p] raw {name}", lambda fn=fn, a=a: fn(*a), n=50,
-                  every=torch.cuda.synchronize)
+        for name, fn, a in raw_calls(wb.backend.lib, f"[{pages}p]", lambda: (
+                wb.submit(h0, d, stream=s), ll.submit(h0, d, stream=s))):
             if name == "kvio_write_back_staged":
                 b = list(a)
                 b[11] = 0  # use_batched off
@@ -192,16 +201,7 @@ def main() -> None:
     print("layer_first per-layer load variant:", ll.support.variant)
     h = ctl.allocator.alloc(n)
     d = torch.arange(n, device=dev_name)
-    lib = ll.backend.lib
-    spy = Spy(lib._lib)
-    lib._lib = spy
-    ll.submit(h, d.cpu(), stream=s, layer=3)
-    torch.cuda.synchronize()
-    lib._lib = spy.lib
-    for name, a in spy.calls.items():
-        fn = getattr(spy.lib, name)
-        timed(f"[lf16p] raw {name}", lambda fn=fn, a=a: fn(*a), n=50,
-              every=torch.cuda.synchronize)
+    raw_calls(ll.backend.lib, "[lf16p]", lambda: ll.submit(h, d.cpu(), stream=s, layer=3))
     hp, dp = ll.place(h, d.cpu())
     timed("[lf16p] load_layer bound.submit(layer=3, placed) on s",
           lambda: ll.submit(hp, dp, stream=s, layer=3, check=False), n=50,
