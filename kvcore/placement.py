@@ -12,6 +12,7 @@ the copy then goes through torch's allocators instead. Nothing here ever waits.
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import numpy as np
@@ -66,8 +67,8 @@ class _Segment:
 
 class IndexRing:
     """Copies CPU index tensors to ``device`` through preallocated pinned and device memory;
-    see the module docstring. One per bound plan; callers hold the plan's lock or call from
-    one thread (as the controller does)."""
+    see the module docstring. One per bound plan; safe for concurrent submits (a lock held
+    for the bookkeeping and the copy's enqueueing)."""
 
     def __init__(self, device: torch.device, capacity: int = RING_BYTES,
                  segments: int = RING_SEGMENTS) -> None:
@@ -78,13 +79,18 @@ class IndexRing:
         self._pinned: torch.Tensor | None = None
         self._device_mem: torch.Tensor | None = None
         self._host_view: np.ndarray | None = None
+        self._lock = threading.Lock()
 
     def stage(self, indices: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, int] | None:
         """A device tensor of ``indices`` (a contiguous CPU tensor) as ``dtype``, copied on the
         current stream, and the segment it came from (for :meth:`seal`); None where the ring
         has no free slot that large (the caller places it otherwise)."""
-        itemsize = torch.empty((), dtype=dtype).element_size() if dtype is not torch.int64 \
-            else 8
+        with self._lock:
+            return self._stage(indices, dtype)
+
+    def _stage(self, indices: torch.Tensor, dtype: torch.dtype,
+               ) -> tuple[torch.Tensor, int] | None:
+        itemsize = dtype.itemsize
         nbytes = -(-indices.numel() * itemsize // SLOT_ALIGN) * SLOT_ALIGN
         if nbytes > self.segment_bytes or nbytes == 0:
             return None
@@ -113,6 +119,10 @@ class IndexRing:
     def seal(self, segments: list[int], event: Any, stream_key: Any) -> None:
         """The slots of these segments handed out for one transfer are free again once
         ``event`` (recorded after that transfer) completed."""
+        with self._lock:
+            self._seal(segments, event, stream_key)
+
+    def _seal(self, segments: list[int], event: Any, stream_key: Any) -> None:
         for i in segments:
             seg = self._segments[i]
             seg.unsealed -= 1
