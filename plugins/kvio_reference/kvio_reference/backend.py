@@ -10,6 +10,7 @@ import torch
 
 from kvcore.backend import TransferJob
 from kvcore.capabilities import HostMemory
+from kvcore.errors import InvalidIndices
 from kvcore.layout import Op, canonical_view, join_heads, split_heads
 from kvcore.streams import on_stream
 
@@ -34,6 +35,8 @@ class ReferenceBackend:
 def _transfer(job: TransferJob) -> None:
     g = job.host_geometry
     view = canonical_view(job.host_buffer, g)  # (kv, layer, page, token, group, head, dim)
+    _check_range("host_indices", job.host_indices, g.size, job.op)
+    _check_range("device_indices", job.device_indices, job.device_pool.size, job.op)
     h = job.host_indices.to(torch.int64)
     page, off = h // g.page_size, h % g.page_size
     d = job.device_indices
@@ -48,3 +51,17 @@ def _transfer(job: TransferJob) -> None:
             host = join_heads(view[kv, layers[0]:layers[-1] + 1, page, off]).to(pool.device)
             for j, i in enumerate(layers):
                 tensors[i][d] = host[j]
+
+
+def _check_range(name: str, indices: torch.Tensor, size: int, op: Op) -> None:
+    """Refuse an out-of-range index before torch dereferences it: on a GPU that would be a
+    device-side assert, which leaves the process without its device. Device-resident values
+    are read back here (the reference waits for the device anyway: it copies through the
+    CPU); the plan already checked CPU ones, which cost nothing to check again."""
+    if indices.numel() == 0:
+        return
+    lo, hi = (int(v) for v in torch.aminmax(indices))
+    if lo < 0 or hi >= size:
+        raise InvalidIndices(name, f"values in [0, {size})",
+                             f"{lo if lo < 0 else hi} (refused by the reference backend, "
+                             "which moved nothing)", op.value)
