@@ -99,6 +99,7 @@ class OpSupport:
     dtypes: frozenset[torch.dtype] | None = None  # None: any dtype
     element_alignment: int = 1  # element bytes must be a multiple of this
     contiguous_pages: bool = False  # needs each host page (per K/V) to be one contiguous run
+    whole_pages: bool = False  # with contiguous_pages: or the page's K and V together one run
     staged: bool = False
     staging_bytes: int = 0  # device staging memory the variant holds (0 when not staged)
     batched_memcpy: bool = False  # uses a batched memcpy entry point when the runtime has it

@@ -5,7 +5,8 @@ This module is the one place that knows where a host token lives. A layout is on
 Everything else is derived from that record: the buffer shape (:func:`host_shape`), the token
 count read back from a shape (:func:`size_from_shape`), the canonical view
 (:func:`canonical_view`), the scalar index map (:func:`locate`), the native kernels' byte
-strides (:func:`byte_strides`), page contiguity (:func:`page_contiguous`), the contiguous byte
+strides (:func:`byte_strides`), page contiguity (:func:`page_contiguous`,
+:func:`page_block_contiguous`), the contiguous byte
 runs of a page (:func:`byte_runs`) and which (kind, layout) pairs exist
 (:func:`check_combination`, :func:`layouts_for`). No other module branches on a layout's name.
 
@@ -416,16 +417,32 @@ def page_contiguous(g: Geometry) -> bool:
     return spans == run and s.page_stride == run
 
 
-def contiguous_page_layouts(kind: Kind) -> tuple[Layout, ...]:
+def page_block_contiguous(g: Geometry) -> bool:
+    """True when one page's K and V over all layers together are one contiguous run of bytes
+    (page_unified MHA: K and V alternate inside a page, so neither alone is one run). MLA has
+    no V: the same as :func:`page_contiguous`."""
+    s = byte_strides(g, 16)
+    run = g.kv_count * g.num_layers * g.page_size * g.head_num * g.head_dim * 16
+    spans = (s.kv_stride * (g.kv_count - 1) + s.layer_stride * (g.num_layers - 1)
+             + s.token_stride * (g.page_size - 1) + s.chunk_stride * (s.num_chunks - 1)
+             + s.chunk_bytes)
+    return spans == run and s.page_stride == run
+
+
+def contiguous_page_layouts(kind: Kind, whole: bool = False) -> tuple[Layout, ...]:
     """The layouts of ``kind`` whose every page of K (or V) is one contiguous run, for any
-    sizes (decided from the strides of a geometry whose every axis has extent 2)."""
+    sizes (decided from the strides of a geometry whose every axis has extent 2); with
+    ``whole``, those whose page of K and V together is one run (:func:`page_block_contiguous`)
+    and that are not in the first set."""
     out = []
     for lay in layouts_for(kind):
         heads = 4 if kind is Kind.MHA else 1
         groups = 2 if spec(lay).has_head_groups(kind) and heads > 1 else 1
         probes = {Geometry(kind, lay, 2, 4, heads, 2, 2, groups),
                   Geometry(kind, lay, 2, 4, heads, 2, 2, 1)}
-        if all(page_contiguous(p) for p in probes):
+        per_kv = all(page_contiguous(p) for p in probes)
+        if (not whole and per_kv) or (
+                whole and not per_kv and all(page_block_contiguous(p) for p in probes)):
             out.append(lay)
     return tuple(out)
 

@@ -473,7 +473,8 @@ def native_ops(staging_bytes: int = DEFAULT_STAGING_BYTES,
                dma_load_layouts: tuple[Layout, ...] = (),
                dma_min_page_bytes: int = DMA_MIN_PAGE_BYTES,
                staged_load: bool = False,
-               signaled_load: bool = False) -> tuple[OpSupport, ...]:
+               signaled_load: bool = False,
+               whole_page_staged: bool = False) -> tuple[OpSupport, ...]:
     """The operation variants every implementation of the native ABI declares.
 
     Write-back has two variants chosen per call by page size: ``staged`` (device gather into
@@ -493,7 +494,10 @@ def native_ops(staging_bytes: int = DEFAULT_STAGING_BYTES,
     job for every layer, moved in one launch layer after layer, each layer raising a ready
     flag that ``wait_layer`` waits on (``layer_signals``); it needs the library's optional
     ``kvio_load_layers_signaled`` and ``kvio_wait_layer_signal``, and falls back to one launch
-    per layer with an event after each where they cannot run.
+    per layer with an event after each where they cannot run. With ``whole_page_staged`` the
+    staged variants also serve layouts whose page of K and V together is one run though
+    neither alone is (page_unified MHA): the library stages and copies whole pages there
+    (``whole_pages``).
     """
     kinds = (Kind.MHA, Kind.MLA)
     # kinds grouped by the layouts whose pages (per K/V) are one run (kvcore.layout decides;
@@ -515,6 +519,11 @@ def native_ops(staging_bytes: int = DEFAULT_STAGING_BYTES,
                               **common}
     staged_ops = [OpSupport(op=op, kinds=frozenset(ks), layouts=lays, **staged)
                   for op in (Op.WRITE_BACK, Op.LOAD_ALL) for lays, ks in contiguous.items()]
+    if whole_page_staged:
+        staged_ops += [OpSupport(op=op, kinds=frozenset({kind}), layouts=frozenset(lays),
+                                 whole_pages=True, **staged)
+                       for op in (Op.WRITE_BACK, Op.LOAD_ALL) for kind in kinds
+                       if (lays := contiguous_page_layouts(kind, whole=True))]
     load_staged = tuple(s for s in staged_ops if s.op is Op.LOAD_ALL) if staged_load else ()
     return (
         *dma,

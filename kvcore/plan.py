@@ -37,7 +37,7 @@ from kvcore.errors import (
     NoBackend,
     TensorMismatch,
 )
-from kvcore.layout import Kind, Layout, Op, page_contiguous
+from kvcore.layout import Kind, Layout, Op, page_block_contiguous, page_contiguous
 from kvcore.placement import IndexRing, fits, place
 from kvcore.signals import WAIT_CURRENT
 from kvcore.streams import current_stream, has_streams, on_stream, recorded_event
@@ -466,7 +466,9 @@ def _check_support(plan: TransferPlan, support: OpSupport, device_pool: DevicePo
         if t.data_ptr() % align:
             raise TensorMismatch(name, f"a data pointer aligned to {align} B for "
                                  f"{plan.context}", f"address {t.data_ptr():#x}")
-    if support.contiguous_pages and not page_contiguous(host_pool.geometry):
+    g = host_pool.geometry
+    if support.contiguous_pages and not page_contiguous(g) and not (
+            support.whole_pages and page_block_contiguous(g)):
         raise TensorMismatch("host_pool", f"contiguous host pages for {plan.context} "
                              f"variant {support.variant}", "a layout whose pages are split")
 

@@ -19,8 +19,10 @@ from kvcore.layout import (
     byte_runs,
     byte_strides,
     canonical_view,
+    contiguous_page_layouts,
     host_shape,
     locate,
+    page_block_contiguous,
     page_contiguous,
     size_from_shape,
 )
@@ -97,7 +99,48 @@ def test_native_strides_cut_the_element_into_head_groups(groups: int) -> None:
     if groups > 1:
         assert s.chunk_stride == L * 2 * P * hg_row
     assert not page_contiguous(g)  # K and V interleave inside a page: no staged K/V pages
+    assert page_block_contiguous(g)  # but the page of K and V together is one run
     assert page_contiguous(_mla())
+
+
+def test_whole_page_staging_is_declared_for_page_unified_mha_alone() -> None:
+    assert contiguous_page_layouts(Kind.MHA, whole=True) == (UNIFIED,)
+    assert contiguous_page_layouts(Kind.MLA, whole=True) == ()  # its pages are runs already
+    for lay in (Layout.LAYER_FIRST, Layout.PAGE_FIRST):
+        g = Geometry(Kind.MHA, lay, L, PAGES * P, H, D, P)
+        assert not page_block_contiguous(g)  # K pages and V pages lie apart
+
+
+@pytest.mark.parametrize("whole", [True, False])
+def test_a_staged_variant_binds_to_page_unified_mha_only_if_it_stages_whole_pages(
+        whole: bool) -> None:
+    import attrs
+
+    from kvcore.errors import TensorMismatch
+    from kvcore.native import native_ops
+    from kvcore.plan import TransferPlan, TransferRequest
+    from kvcore.pools import DevicePool
+
+    staged = next(s for s in native_ops(whole_page_staged=True)
+                  if s.staged and s.op.value == "write_back" and UNIFIED in s.layouts
+                  and Kind.MHA in s.kinds)
+    assert staged.whole_pages and staged.contiguous_pages
+    support = attrs.evolve(staged, min_page_bytes=0, whole_pages=whole)
+    dev = DevicePool.allocate("mha", L, 64, H, D, torch.bfloat16, "cpu", P)
+    host = allocate_host_pool("mha", "page_unified", L, PAGES * P, H, D, torch.bfloat16, P,
+                              "cpu", head_group_num=2)
+    request = TransferRequest(op=staged.op, kind=Kind.MHA, layout=UNIFIED, dtype=torch.bfloat16,
+                              element_bytes=H * D * 2, device=torch.device("cpu"))
+    class Backend:  # bind builds it; nothing here runs
+        def run(self, job: object) -> None:
+            raise AssertionError
+
+    plan = TransferPlan(request, "test", "0", host.memory, (support,), Backend)
+    if whole:
+        assert plan.bind(dev, host).support is support
+    else:
+        with pytest.raises(TensorMismatch, match="contiguous host pages"):
+            plan.bind(dev, host)
 
 
 def test_size_is_read_back_from_sglangs_shapes() -> None:

@@ -31,6 +31,8 @@ from kvcore.layout import (
     canonical_view,
     host_shape,
     join_heads,
+    page_block_contiguous,
+    page_contiguous,
     split_heads,
 )
 from kvcore.native import layout_fields
@@ -212,7 +214,15 @@ STAGED = [
     (Kind.MHA, Layout.PAGE_HEAD, 2, 8, torch.float16),
     (Kind.MLA, Layout.PAGE_FIRST, 1, 36, torch.bfloat16),
     (Kind.MLA, Layout.PAGE_FIRST_DIRECT, 1, 5, torch.uint8),
+    # K and V alternate inside a page: whole pages are staged and copied
+    (Kind.MHA, Layout.PAGE_UNIFIED, 4, 8, torch.bfloat16),
+    (Kind.MHA, Layout.PAGE_UNIFIED, 4, 8, torch.bfloat16, 2),
+    (Kind.MHA, Layout.PAGE_UNIFIED, 4, 8, torch.float16, 4),
 ]
+
+
+def staged_id(c: tuple) -> str:
+    return case_id(c[:5]) + (f"-g{c[5]}" if len(c) > 5 else "")
 
 
 def expected_runs(pages: list[int], per_chunk: int, kv_count: int) -> int:
@@ -253,7 +263,9 @@ class StagedRig:
         """One kernel per chunk, every page's bytes copied once, one copy per run."""
         c = counters(raw)
         chunks = -(-len(STAGED_PAGES) // STAGED_PER_CHUNK)
-        runs = expected_runs(STAGED_PAGES, STAGED_PER_CHUNK, self.g.kv_count)
+        # whole pages (K and V together one run, neither alone): one copy per run, not per K/V
+        whole = page_block_contiguous(self.g) and not page_contiguous(self.g)
+        runs = expected_runs(STAGED_PAGES, STAGED_PER_CHUNK, 1 if whole else self.g.kv_count)
         assert c["launches"] == chunks
         assert c["bytes"] == len(STAGED_PAGES) * self.page_bytes * self.g.kv_count
         if use_batched:
@@ -263,9 +275,9 @@ class StagedRig:
 
 
 def staged_rig(case: tuple, dev64: int, gen: torch.Generator, poison_pool: bool) -> StagedRig:
-    kind, layout, heads, dim, dtype = case
+    kind, layout, heads, dim, dtype = case[:5]
     g = Geometry(kind=kind, layout=layout, num_layers=3, size=96, head_num=heads,
-                 head_dim=dim, page_size=4)
+                 head_dim=dim, page_size=4, head_group_num=case[5] if len(case) > 5 else 1)
     pool = make_pool(g, dtype, 120, gen, poison=poison_pool)
     host_idx = page_indices(g, STAGED_PAGES, torch.int64)
     dev_idx = torch.randperm(120, generator=gen)[:host_idx.numel()].to(
@@ -276,7 +288,7 @@ def staged_rig(case: tuple, dev64: int, gen: torch.Generator, poison_pool: bool)
     return StagedRig(g, dtype, pool, host_idx, dev_idx, page_bytes, staging)
 
 
-@pytest.mark.parametrize("case", STAGED, ids=[case_id(c) for c in STAGED])
+@pytest.mark.parametrize("case", STAGED, ids=[staged_id(c) for c in STAGED])
 @pytest.mark.parametrize("use_batched", [1, 0], ids=["batched", "per-run"])
 @pytest.mark.parametrize("dev64", [1, 0], ids=["dev-i64", "dev-i32"])
 def test_write_back_staged(emul, case, use_batched, dev64) -> None:
@@ -297,7 +309,7 @@ def test_write_back_staged(emul, case, use_batched, dev64) -> None:
     rig.check_counters(raw, use_batched)
 
 
-@pytest.mark.parametrize("case", STAGED, ids=[case_id(c) for c in STAGED])
+@pytest.mark.parametrize("case", STAGED, ids=[staged_id(c) for c in STAGED])
 @pytest.mark.parametrize("use_batched", [1, 0], ids=["batched", "per-run"])
 @pytest.mark.parametrize("dev64", [1, 0], ids=["dev-i64", "dev-i32"])
 def test_load_all_staged(emul, case, use_batched, dev64) -> None:
@@ -558,7 +570,7 @@ def test_direct_in_range_leaves_the_report_alone(emul) -> None:
                            .view(torch.uint8), pool.layers[kv][layer][dev_idx].view(torch.uint8))
 
 
-@pytest.mark.parametrize("case", STAGED[:3] + STAGED[4:], ids=[case_id(c) for c in
+@pytest.mark.parametrize("case", STAGED[:3] + STAGED[4:], ids=[staged_id(c) for c in
                                                                STAGED[:3] + STAGED[4:]])
 @pytest.mark.parametrize("dev64", [1, 0], ids=["dev-i64", "dev-i32"])
 def test_staged_load_skips_an_out_of_range_device_index_and_reports_it(emul, case,
@@ -807,16 +819,20 @@ def test_page_unified_mla_staged_equals_the_reference(emul, direction) -> None:
     assert counters(raw)["bytes"] == 4 * 3 * 4 * 80  # whole pages copied, nothing else
 
 
-def test_page_unified_mha_pages_are_refused_by_the_staged_path(emul) -> None:
-    """K and V interleave inside an MHA page_unified page, so a page of K is not one run: the
-    library refuses the staged path, and kvcore does not declare it (native_ops)."""
+def test_the_staged_path_refuses_pages_that_are_not_one_run(emul) -> None:
+    """layer_first: a page of K is one slice per layer and K and V are apart, so neither a page
+    of K nor the whole page is one run: the library refuses the staged path (and kvcore does
+    not declare it there, native_ops)."""
     lib, _ = emul
-    g, dev, host = _unified_pools((Kind.MHA, 8, 8, torch.bfloat16, 1),
-                                  torch.Generator().manual_seed(3), poison_device=False)
+    g = Geometry(kind=Kind.MHA, layout=Layout.LAYER_FIRST, num_layers=3, size=16, head_num=2,
+                 head_dim=8, page_size=4)
+    assert not page_contiguous(g) and not page_block_contiguous(g)
+    pool = make_pool(g, torch.bfloat16, 16, torch.Generator().manual_seed(3))
+    host = torch.zeros(host_shape(g), dtype=torch.bfloat16)
     h = page_indices(g, [1], torch.int64)
     d = torch.arange(4)
     staging = torch.empty(1 << 14, dtype=torch.uint8)
     with pytest.raises(KernelError, match=r"invalid argument"):
-        lib.write_back_staged(dev.k_ptrs.data_ptr(), _v(dev), 3, host.buffer.data_ptr(),
-                              layout_of(g, 2), h.data_ptr(), d.data_ptr(), 1, 4,
-                              staging.data_ptr(), staging.numel(), 1, 0)
+        lib.write_back_staged(pool.k_ptrs, pool.v_ptrs, 3, host.data_ptr(), layout_of(g, 2),
+                              h.data_ptr(), d.data_ptr(), 1, 4, staging.data_ptr(),
+                              staging.numel(), 1, 0)

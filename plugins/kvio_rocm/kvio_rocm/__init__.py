@@ -43,8 +43,10 @@ CAPABILITIES = Capabilities(
     priority=100,
     probe=check_availability,
     # all-layer loads of contiguous pages staged as on kvio_cuda, where the copy engine beat
-    # the zero-copy kernel (0.92-0.99 against 0.92-0.93 on an H200); not measured on AMD
-    ops=native_ops(staged_load=True),
+    # the zero-copy kernel (0.92-0.99 against 0.92-0.93 on an H200); not measured on AMD.
+    # page_unified MHA pages (K and V alternating inside one run) are staged whole: checked
+    # bit for bit in the CPU emulation (tests/rocm/test_rocm_emulated.py)
+    ops=native_ops(staged_load=True, whole_page_staged=True),
     host_memory=HostMemory.PINNED,  # hipHostMalloc / torch pinned: device address == host
     device_types=frozenset({"cuda"}),  # torch's device type for HIP devices
     description="AMD kernels: wave64, single nt dwordx4 accesses, staged hipMemcpyBatchAsync "

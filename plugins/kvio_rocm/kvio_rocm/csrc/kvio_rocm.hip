@@ -290,13 +290,20 @@ hipError_t transfer_staged(int direction, const uint64_t* k_ptrs, const uint64_t
     const int64_t elem = layout.chunk_bytes * layout.num_chunks;
     const int64_t page_bytes = (int64_t)num_layers * P * elem;
     // One page of K (or V) must be one contiguous run of page_bytes (page_first,
-    // page_first_direct): its chunks tile [0, page_bytes) exactly.
+    // page_first_direct): its chunks tile [0, page_bytes) exactly. Or else the page's K and V
+    // together one run of n_kv * page_bytes at page_stride (page_unified MHA, where they
+    // alternate inside the page): then whole pages are staged and copied.
+    if (layout.layer_stride < 0 || layout.token_stride < 0 || layout.chunk_stride < 0 ||
+        layout.kv_stride < 0)
+        return hipErrorInvalidValue;
     const int64_t span = layout.layer_stride * (num_layers - 1) + layout.token_stride * (P - 1) +
                          layout.chunk_stride * (layout.num_chunks - 1) + layout.chunk_bytes;
-    if (span != page_bytes || layout.layer_stride < 0 || layout.token_stride < 0 ||
-        layout.chunk_stride < 0)
-        return hipErrorInvalidValue;
-    const int64_t pages_per_chunk = staging_bytes / (page_bytes * (int64_t)n_kv);
+    const int64_t block_bytes = page_bytes * (int64_t)n_kv;
+    const bool whole = span != page_bytes && n_kv == 2 &&
+                       span + layout.kv_stride == block_bytes &&
+                       layout.page_stride == block_bytes;
+    if (span != page_bytes && !whole) return hipErrorInvalidValue;
+    const int64_t pages_per_chunk = staging_bytes / block_bytes;
     if (pages_per_chunk < 1) return hipErrorInvalidValue;
     const int64_t n_pages = n_tokens / P;
     for (int64_t i = 0; i < n_pages; ++i)
@@ -319,12 +326,13 @@ hipError_t transfer_staged(int direction, const uint64_t* k_ptrs, const uint64_t
 
     for (int64_t p0 = 0; p0 < n_pages; p0 += pages_per_chunk) {
         const int64_t np = std::min(pages_per_chunk, n_pages - p0);
-        // The device side: staging as the host page image, [kv][page j][page_bytes], every
-        // offset inside a page exactly as on the host. Same generic kernel, host side =
-        // staging with identity host indices (token t of the chunk -> slot t).
+        // The device side: staging as the host page image, [kv][page j][page_bytes] (whole
+        // pages: [page j][the host page]), every offset inside a page exactly as on the host.
+        // Same generic kernel, host side = staging with identity host indices (token t of
+        // the chunk -> slot t).
         kvio_layout sl = layout;
-        sl.page_stride = page_bytes;
-        sl.kv_stride = np * page_bytes;
+        sl.page_stride = whole ? block_bytes : page_bytes;
+        sl.kv_stride = whole ? layout.kv_stride : np * page_bytes;
         const kvio_copy_params p =
             base_params(k_ptrs, v_ptrs, staging, sl, 0, direction, device_side);
         const void* dev_chunk = static_cast<const char*>(dev_idx) + (size_t)(p0 * P) * dsz;
@@ -333,20 +341,21 @@ hipError_t transfer_staged(int direction, const uint64_t* k_ptrs, const uint64_t
                                pick_order(sl, num_layers), n_kv, (uint32_t)num_layers,
                                (uint32_t)layout.num_chunks, np * P, s);
         };
-        // The host side: one copy per run of consecutive host pages (per K/V).
+        // The host side: one copy per run of consecutive host pages (per K/V, or whole).
         runs.clear();
-        for (uint32_t kv = 0; kv < n_kv; ++kv) {
+        const int64_t unit = whole ? block_bytes : page_bytes;
+        for (uint32_t kv = 0; kv < (whole ? 1u : n_kv); ++kv) {
             for (int64_t j = 0; j < np; ++j) {
                 const int64_t hp = host_idx_cpu[(p0 + j) * P] / P;
                 char* h = host + kv * layout.kv_stride + hp * layout.page_stride;
-                char* st = stage + kv * sl.kv_stride + j * page_bytes;
+                char* st = stage + kv * sl.kv_stride + j * unit;
                 char* dst = to_host ? h : st;
                 char* src = to_host ? st : h;
                 if (!runs.empty() && runs.back().dst + runs.back().bytes == dst &&
                     runs.back().src + runs.back().bytes == src)
-                    runs.back().bytes += (size_t)page_bytes;
+                    runs.back().bytes += (size_t)unit;
                 else
-                    runs.push_back(copy_run{dst, src, (size_t)page_bytes});
+                    runs.push_back(copy_run{dst, src, (size_t)unit});
             }
         }
         hipError_t e = to_host ? relayout() : issue_runs(runs, batch, kind, s);
