@@ -1050,16 +1050,20 @@ CopyParams indexed_params(const uint64_t* k_ptrs, const uint64_t* v_ptrs, void* 
 }
 
 // True when, for every page, the bytes of all (token, layer, chunk) of one K/V form exactly
-// the run [0, page_bytes) of that page (page_first, page_first_direct, page_head).
-bool page_is_contiguous(const kvio_layout& L, int32_t num_layers, int64_t page_bytes) {
+// the run [0, page_bytes) of that page (page_first, page_first_direct, page_head); with
+// num_kv 2, of all (kv, token, layer, chunk): the page's K and V together form the run
+// [0, 2 * page_bytes) (MHA page_unified, whose K and V alternate inside the page).
+bool page_is_contiguous(const kvio_layout& L, int32_t num_layers, int64_t page_bytes,
+                        int num_kv = 1) {
     struct Dim {
         int64_t stride;
         int64_t size;
     };
-    Dim dims[3] = {{L.token_stride, L.page_size},
+    Dim dims[4] = {{L.token_stride, L.page_size},
                    {L.layer_stride, num_layers},
-                   {L.chunk_stride, L.num_chunks}};
-    for (int i = 1; i < 3; ++i) {  // ascending stride
+                   {L.chunk_stride, L.num_chunks},
+                   {L.kv_stride, num_kv}};
+    for (int i = 1; i < 4; ++i) {  // ascending stride
         for (int j = i; j > 0 && dims[j].stride < dims[j - 1].stride; --j) {
             const Dim tmp = dims[j];
             dims[j] = dims[j - 1];
@@ -1067,12 +1071,12 @@ bool page_is_contiguous(const kvio_layout& L, int32_t num_layers, int64_t page_b
         }
     }
     int64_t expected = L.chunk_bytes;
-    for (int i = 0; i < 3; ++i) {
+    for (int i = 0; i < 4; ++i) {
         if (dims[i].size == 1) continue;
         if (dims[i].stride != expected) return false;
         expected *= dims[i].size;
     }
-    return expected == page_bytes;
+    return expected == page_bytes * num_kv;
 }
 
 // Enqueues the 1D copies dsts[i] <- srcs[i] of sizes[i] bytes: cudaMemcpyBatchAsync calls of
@@ -1118,11 +1122,17 @@ cudaError_t copy_runs(const std::vector<void*>& dsts, const std::vector<const vo
 }
 
 // Issues the DMA copies of one staged chunk, pages [p0, p0 + cp), between their images in
-// `buf` ([kv][page] runs of page_bytes) and their host pages: to the host for a write-back,
-// from it for a load. Runs contiguous on both sides are merged.
+// `buf` ([kv][page] runs of page_bytes; whole pages: [page] runs of num_kv * page_bytes, K
+// and V inside) and their host pages: to the host for a write-back, from it for a load.
+// Runs contiguous on both sides are merged.
 cudaError_t issue_copies(int direction, char* buf, int64_t p0, int64_t cp, int num_kv,
                          int64_t page_bytes, char* host_base, const kvio_layout& L,
-                         const int64_t* host_idx_cpu, bool batched, cudaStream_t stream) {
+                         const int64_t* host_idx_cpu, bool batched, cudaStream_t stream,
+                         bool whole = false) {
+    if (whole) {  // one run of the whole page (K and V) per page
+        page_bytes *= num_kv;
+        num_kv = 1;
+    }
     const bool to_host = direction == kDeviceToHost;
     std::vector<void*> dsts;
     std::vector<const void*> srcs;
@@ -1360,8 +1370,15 @@ cudaError_t transfer_staged(int direction, const uint64_t* k_ptrs, const uint64_
     const int64_t elem_bytes = layout.chunk_bytes * layout.num_chunks;
     const int64_t page_bytes = int64_t(num_layers) * P * elem_bytes;
     if (host_idx_cpu == nullptr || dev_idx == nullptr || staging == nullptr ||
-        staging_bytes <= 0 || n_tokens % P != 0 ||
-        !page_is_contiguous(layout, num_layers, page_bytes)) {
+        staging_bytes <= 0 || n_tokens % P != 0) {
+        return cudaErrorInvalidValue;
+    }
+    // Pages of K (or V) that are runs, else whole pages (K and V together) that are: staged
+    // and copied whole (the staging image is then [page][host page], K and V inside).
+    const bool whole = !page_is_contiguous(layout, num_layers, page_bytes) && num_kv == 2 &&
+                       layout.page_stride == 2 * page_bytes &&
+                       page_is_contiguous(layout, num_layers, page_bytes, num_kv);
+    if (!whole && !page_is_contiguous(layout, num_layers, page_bytes)) {
         return cudaErrorInvalidValue;
     }
     const int64_t num_pages = n_tokens / P;
@@ -1378,7 +1395,7 @@ cudaError_t transfer_staged(int direction, const uint64_t* k_ptrs, const uint64_
     }
     const int64_t slot_bytes = num_kv * page_bytes;  // one page of K (and V) in staging
     const int64_t capacity = staging_bytes / slot_bytes;
-    if (num_kv == 2 && capacity < 2 && staging_bytes >= page_bytes) {
+    if (num_kv == 2 && capacity < 2 && staging_bytes >= page_bytes && !whole) {
         // A page of K and V together does not fit twice, so the relayout of one page could
         // not overlap the copy of another (or does not fit at all): stage all of K, then all
         // of V, each pipelined where its own pages fit twice.
@@ -1422,8 +1439,8 @@ cudaError_t transfer_staged(int direction, const uint64_t* k_ptrs, const uint64_
     // as a host buffer ([kv][page][page image], identity indices) gathered or scattered.
     auto relayout = [&](char* buf, int64_t p0, int64_t cp) -> cudaError_t {
         kvio_layout st = layout;
-        st.kv_stride = cp * page_bytes;
-        st.page_stride = page_bytes;
+        st.kv_stride = whole ? layout.kv_stride : cp * page_bytes;
+        st.page_stride = whole ? slot_bytes : page_bytes;
         CopyParams p = base_params(k_ptrs, v_ptrs, buf, st, *bounds);
         p.host_idx = nullptr;
         p.dev_idx = static_cast<const char*>(dev_idx) + static_cast<size_t>(p0 * P) * idx_bytes;
@@ -1437,7 +1454,7 @@ cudaError_t transfer_staged(int direction, const uint64_t* k_ptrs, const uint64_
     char* stage = static_cast<char*>(staging);
     auto dma = [&](char* buf, int64_t p0, int64_t cp, cudaStream_t on) -> cudaError_t {
         return issue_copies(direction, buf, p0, cp, num_kv, page_bytes, host, layout,
-                            host_idx_cpu, batched, on);
+                            host_idx_cpu, batched, on, whole);
     };
 
     if (!pipelined) {
