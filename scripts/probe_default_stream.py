@@ -2,6 +2,10 @@
 side stream and one contiguous copy of the same bytes (issue 21: page slices of 128 KiB and
 more go to the copy engine, which must not fall back to one copy per page on that stream).
 
+Two ways of calling: ``one submit`` is what the controller does (one ``submit`` moving every
+layer, the indices checked once); ``per layer`` is one checked ``submit(layer=i)`` per layer,
+as an engine driving the plan itself layer by layer would.
+
     python scripts/probe_default_stream.py     # on a CUDA machine; prints a markdown table
 """
 
@@ -31,8 +35,8 @@ def _time(fn, stream: torch.cuda.Stream) -> float:  # type: ignore[no-untyped-de
 
 
 def main() -> None:
-    print("| heads x dim | slice KiB | stream | variant | ms | ceiling ms | ratio |")
-    print("|---|---|---|---|---|---|---|")
+    print("| heads x dim | slice KiB | stream | variant | calls | ms | ceiling ms | ratio |")
+    print("|---|---|---|---|---|---|---|---|")
     for heads in (8, 16):
         dev = DevicePool.allocate("mha", LAYERS, 4 * PAGES * PAGE, heads, 128, torch.bfloat16,
                                   "cuda", PAGE)
@@ -50,16 +54,21 @@ def main() -> None:
         dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
         for name, stream in (("default (legacy)", torch.cuda.default_stream()),
                              ("side", torch.cuda.Stream())):
-            ms, ceil = _measure(bound, h, d, src, dst, stream)
-            print(f"| {heads} x 128 | {PAGE * heads * 256 // 1024} | {name} | "
-                  f"{bound.variant_for(h, d).variant} | {ms:.3f} | {ceil:.3f} | "
-                  f"{ceil / ms:.3f} |")
+            for calls in ("one submit", "per layer"):
+                ms, ceil = _measure(bound, h, d, src, dst, stream, calls == "per layer")
+                print(f"| {heads} x 128 | {PAGE * heads * 256 // 1024} | {name} | "
+                      f"{bound.variant_for(h, d).variant} | {calls} | {ms:.3f} | {ceil:.3f} | "
+                      f"{ceil / ms:.3f} |")
 
 
-def _measure(bound, h, d, src, dst, stream) -> tuple[float, float]:  # type: ignore[no-untyped-def]
+def _measure(bound, h, d, src, dst, stream, per_layer: bool,  # type: ignore[no-untyped-def]
+             ) -> tuple[float, float]:
     """(ms of a per-layer load of every layer, ms of one contiguous copy), both on ``stream``."""
 
     def load() -> None:
+        if not per_layer:
+            bound.submit(h, d, stream=stream)
+            return
         for layer in range(LAYERS):
             bound.submit(h, d, layer=layer, stream=stream, chained=layer > 0)
 
