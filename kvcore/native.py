@@ -116,12 +116,11 @@ class NativeBackend:
         self._has_signals: bool | None = None
         self._report_ring: ReportRing | None = None
         self._layout_by_id: dict[int, tuple[ByteStrides, KvioLayout]] = {}
-        unchecked = getattr(library, "unchecked", None)
         #: ``wait_signal(flag, epoch, raw_stream)``: the library's wait, without the checks of
         #: its method where the library offers that (on every ``wait_layer``)
         self.wait_signal: Callable[[int, int, int], None] = (
-            _raw_wait(unchecked("kvio_wait_layer_signal"))
-            if unchecked is not None
+            _raw_wait(library)
+            if hasattr(library, "function")
             and "kvio_wait_layer_signal" in getattr(library, "optional", ())
             else library.wait_layer_signal)
 
@@ -355,9 +354,16 @@ class _RunOnly:
         return self.backend.allocate_host(shape, dtype)
 
 
-def _raw_wait(call: Callable[..., None]) -> Callable[[int, int, int], None]:
+def _raw_wait(library: Any) -> Callable[[int, int, int], None]:
+    """The library's ``kvio_wait_layer_signal`` in one Python frame: 32 of these follow a
+    one-page load, each a few microseconds."""
+    fn = library.function("kvio_wait_layer_signal")
+    check = library.check
+
     def wait(flag: int, epoch: int, stream: int) -> None:
-        call(flag, epoch, stream or None)
+        status = fn(flag, epoch, stream or None)
+        if status:
+            check("kvio_wait_layer_signal", status)
 
     return wait
 

@@ -155,3 +155,25 @@ def test_a_library_object_without_unchecked_entry_points_gets_run_itself() -> No
     assert job.host_indices is h and job.device_indices is d and job.stream == "stream"
     assert (job.op, job.support, job.device_pool, job.layer, job.chained) == (
         Op.LOAD_ALL, support, dev, None, False)
+
+
+def test_a_wait_the_library_refuses_raises_kernel_error_naming_it() -> None:
+    from kvcore.errors import KernelError
+
+    class Refusing(RawLib):
+        def kvio_wait_layer_signal(self, *args: Any) -> int:
+            return 1
+
+    _, _, dev, host = _rig("page_first")
+    backend = CpuNative(torch.device("cpu"),
+                        NativeLibrary(None, runtime="cpu", name="raw", lib=Refusing()),  # type: ignore[arg-type]
+                        staging_bytes=1 << 20)
+    support = next(s for s in native_ops(signaled_load=True) if s.layer_signals)
+    none = torch.empty(0, dtype=torch.int64)
+    template = TransferJob(op=Op.LOAD_LAYER, support=support, device_pool=dev,
+                           host_buffer=host.buffer, host_geometry=host.geometry,
+                           host_strides=host.strides, host_indices=none, device_indices=none)
+    signals = runner_for(backend, template)(torch.arange(16), torch.arange(16), None, None,
+                                            False)
+    with pytest.raises(KernelError, match=r"^kvio_wait_layer_signal: error"):
+        signals.wait_layer(0, None)
