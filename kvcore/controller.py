@@ -6,7 +6,9 @@ stream and load stream where the device has streams (synchronously on CPU). A wr
 acknowledged only after it completed; a failed transfer raises a typed error, releases the
 host pages it took and is never acknowledged.
 
-Write policies live in :mod:`kvcore.policy`, acks and load handles in :mod:`kvcore.handles`.
+Write policies live in :mod:`kvcore.policy`, acks and load handles in :mod:`kvcore.handles`,
+the queue of write-backs until their acknowledgement (across ranks too) in
+:mod:`kvcore.write_queue`.
 
 Example::
 
@@ -19,8 +21,6 @@ Example::
 
 from __future__ import annotations
 
-import collections
-import contextlib
 import functools
 import threading
 import weakref
@@ -32,14 +32,12 @@ import torch
 
 from kvcore.errors import (
     ControllerUnusable,
-    DeviceFault,
     InvalidArgument,
     InvalidIndices,
-    RanksFailed,
     TensorMismatch,
     TransferFailed,
 )
-from kvcore.handles import LoadHandle, PendingWrite, WriteAck
+from kvcore.handles import LoadHandle, WriteAck
 from kvcore.layout import Op, parse_enum
 from kvcore.plan import BoundPlan, Submission, TransferPlan, check_pool_pair
 from kvcore.policy import CacheEvent, WritePolicy, should_back_up
@@ -47,6 +45,7 @@ from kvcore.pools import DevicePool, HostPool
 from kvcore.registry import Registry, default_registry, make_request
 from kvcore.streams import Fence, current_stream, new_stream
 from kvcore.validate import check_index_tensor
+from kvcore.write_queue import Health, WriteQueue, drain_stream
 
 
 @attrs.frozen
@@ -55,15 +54,6 @@ class PoolPair:
 
     device: DevicePool
     host: HostPool
-
-
-def _drain_stream(stream: Any) -> None:
-    """Wait for work already queued on ``stream``; a device fault while waiting is ignored
-    here because the caller is already reporting a failure."""
-    if stream is None:
-        return
-    with contextlib.suppress(Exception):
-        stream.synchronize()
 
 
 def _failing_together(init: Callable[..., None]) -> Callable[..., None]:
@@ -136,21 +126,18 @@ class HiCacheController:
             from kvcore.distributed import agree_on_plans
 
             agree_on_plans(self.plan_facts(), process_group, agreement_timeout_s)
-        self._ack_rounds: Any = None
+        rounds = None
         if process_group is not None:
             from kvcore.distributed import AckAgreement
 
-            self._ack_rounds = AckAgreement(process_group, ack_timeout_s)
+            rounds = AckAgreement(process_group, ack_timeout_s)
         self.write_stream = new_stream(self.device)
         self.load_stream = new_stream(self.device)
         self._fence = Fence(self.device)
         # id -> (weak reference, version) of host index tensors made by this allocator
         self._issued: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
-        self._pending: collections.deque[PendingWrite] = collections.deque()
-        self._next_id = 0  # ids agree across ranks: they issue the same writes in order
-        self._doomed: list[PendingWrite] = []  # failed on a peer, still copying here
-        self._unusable: BaseException | None = None
-        self.completed_writes = 0
+        self._health = Health()
+        self._writes = WriteQueue(self.allocator, self.write_stream, self._health, rounds)
         # one caller at a time: the allocator, the queue of pending writes and the streams'
         # order are shared state (threads may call in; each call holds this for microseconds)
         self._lock = threading.RLock()
@@ -168,7 +155,12 @@ class HiCacheController:
 
     @property
     def usable(self) -> bool:
-        return self._unusable is None
+        return self._health.lost is None
+
+    @property
+    def completed_writes(self) -> int:
+        """Write-backs acknowledged so far."""
+        return self._writes.completed
 
     # -- write-back ------------------------------------------------------------------------
 
@@ -181,7 +173,7 @@ class HiCacheController:
         :meth:`wait_acks` returns it.
         """
         with self._lock:
-            self._check_usable()
+            self._health.check()
             d = check_index_tensor("device_indices", device_indices, "write")
             owns = host_indices is None
             page_size = self.allocator.page_size
@@ -203,15 +195,12 @@ class HiCacheController:
             except BaseException as exc:
                 if owns:
                     # an earlier pool-group member's copy may still be writing these slots
-                    _drain_stream(self.write_stream)
+                    drain_stream(self.write_stream)
                     self.allocator.free(h)
                 raise self._failure("write-back", exc) from exc
             if owns:
                 self._remember(h)
-            ack = WriteAck(self._next_id, h, d)
-            self._next_id += 1
-            self._pending.append(PendingWrite(ack, subs[-1].event, subs, owns))
-            return ack
+            return self._writes.add(h, d, subs[-1].event, subs, owns)
 
     def on_cache_event(self, event: CacheEvent | str, device_indices: torch.Tensor,
                        hits: int = 0) -> WriteAck | None:
@@ -222,204 +211,24 @@ class HiCacheController:
         return None
 
     def poll_acks(self) -> list[WriteAck]:
-        """Completed write-backs, in submission order, without blocking."""
+        """Completed write-backs, in submission order, without blocking (see
+        :mod:`kvcore.write_queue`; with a process group, every rank must call it in step)."""
         with self._lock:
-            return self._drain(block=False)
+            return self._writes.drain(block=False)
 
     def wait_acks(self) -> list[WriteAck]:
         """Block until every queued write-back completed; return their acks."""
         with self._lock:
-            return self._drain(block=True)
+            return self._writes.drain(block=True)
 
     @property
     def pending_writes(self) -> int:
-        return len(self._pending)
+        return len(self._writes)
 
     def free_host(self, host_indices: torch.Tensor) -> None:
         """Release host pages (eviction from the host tier)."""
         with self._lock:
             self.allocator.free(host_indices)
-
-    def _drain(self, block: bool) -> list[WriteAck]:
-        if self._ack_rounds is not None:
-            return self._drain_agreed(block)
-        if self._unusable is not None:
-            finished = self._take_finished()
-            if finished:  # completed and checked before the fault: their pages are backed up
-                return self._acknowledge(finished)
-            self._abandon_pending()
-        done: list[PendingWrite] = []
-        while self._pending:
-            p = self._pending[0]
-            try:
-                if p.event is not None:
-                    if block:
-                        p.event.synchronize()
-                    elif not p.event.query():
-                        break
-                self._pending.popleft()
-                for c in p.completions:
-                    c.check()
-            except Exception as exc:
-                if self._pending and self._pending[0] is p:
-                    self._pending.popleft()
-                if p.owns_host:
-                    self.allocator.free(p.ack.host_indices)
-                self._record_fault(exc)
-                self._requeue_done(done)
-                raise TransferFailed(
-                    f"write-back {p.ack.id} failed at completion; its "
-                    f"{p.ack.host_indices.numel()} host slots were released: {exc}", exc) from exc
-            done.append(p)
-        return self._acknowledge(done)
-
-    def _acknowledge(self, done: list[PendingWrite]) -> list[WriteAck]:
-        self.completed_writes += len(done)
-        return [p.ack for p in done]
-
-    def _drain_agreed(self, block: bool) -> list[WriteAck]:
-        """:meth:`_drain` across the ranks of the process group: each queued write's status
-        here (completed, pending, failed) goes into one all-reduce MIN by write id, so a write
-        is acknowledged once it completed on every rank, and once it failed on any it is
-        dropped on all: never acknowledged, its host slots released (after its copy here
-        finished), and TransferFailed raised on every rank in the same poll (the writes
-        agreed complete in that poll are returned by the next)."""
-        rounds = self._ack_rounds
-        assert rounds is not None
-        if rounds.broken is not None:
-            self._abandon_after_lost_group()
-            self._check_usable()
-        self._reap_doomed(block)
-        here = self._statuses_here(block)
-        lo = self._pending[0].ack.id if self._pending else self._next_id
-        mine = rounds.rank - rounds.world  # FAILED here, so that MIN names the lowest rank
-        try:
-            agreed = rounds.min_each([mine if here.get(lo + k) == _FAILED
-                                      else here.get(lo + k, _PENDING)
-                                      for k in range(ACK_WINDOW)])
-        except RanksFailed:
-            self._abandon_after_lost_group()
-            raise
-        acked: list[PendingWrite] = []
-        failed: list[tuple[PendingWrite, int]] = []
-        keep: collections.deque[PendingWrite] = collections.deque()
-        for p in self._pending:
-            k = p.ack.id - lo
-            verdict = agreed[k] if k < ACK_WINDOW else _PENDING
-            if verdict == _OK:
-                acked.append(p)
-            elif verdict < 0:
-                failed.append((p, verdict + rounds.world))
-                if p.failed is None:  # completed here, or still copying
-                    self._doomed.append(p)
-            else:
-                keep.append(p)
-        self._pending = keep
-        self._reap_doomed(block=False)
-        if failed:
-            self._requeue_done(acked)
-            raise TransferFailed(_failed_message(failed, rounds.rank),
-                                 next((p.failed for p, _ in failed if p.failed), None))
-        self.completed_writes += len(acked)
-        if self._unusable is not None and not acked:
-            self._check_usable()
-        return [p.ack for p in acked]
-
-    def _statuses_here(self, block: bool) -> dict[int, int]:
-        """Each queued write's status on this rank, in submission order (one still running
-        makes the later ones pending). A write that failed here has its host slots released
-        at once: its copy has finished (or the device is lost)."""
-        here: dict[int, int] = {}
-        running = False
-        for p in self._pending:
-            i = p.ack.id
-            if p.failed is not None:
-                here[i] = _FAILED
-            elif p.event is None and not p.completions:
-                here[i] = _OK  # checked by an earlier poll
-            elif self._unusable is not None:  # nothing more completes on a lost device
-                self._fail_here(p, self._unusable)
-                here[i] = _FAILED
-            elif running or (p.event is not None and not block and not p.event.query()):
-                running = True
-                here[i] = _PENDING
-            else:
-                try:
-                    if p.event is not None:
-                        p.event.synchronize()
-                    for c in p.completions:
-                        c.check()
-                except Exception as exc:  # noqa: BLE001 - the write's outcome here
-                    self._record_fault(exc)
-                    self._fail_here(p, exc)
-                    here[i] = _FAILED
-                    continue
-                p.event, p.completions = None, []
-                here[i] = _OK
-        return here
-
-    def _fail_here(self, p: PendingWrite, exc: BaseException) -> None:
-        p.failed = exc
-        if p.owns_host:
-            self.allocator.free(p.ack.host_indices)
-
-    def _reap_doomed(self, block: bool) -> None:
-        """Release the host slots of writes a peer failed once their copy here finished."""
-        still = []
-        for p in self._doomed:
-            if p.event is not None:
-                if not block and not p.event.query():
-                    still.append(p)
-                    continue
-                with contextlib.suppress(Exception):  # a fault is reported by its own poll
-                    p.event.synchronize()
-            if p.owns_host:
-                self.allocator.free(p.ack.host_indices)
-        self._doomed = still
-
-    def _take_finished(self) -> list[PendingWrite]:
-        """The writes at the front of the queue that already completed and were checked
-        (requeued by a poll that then failed): nothing of them is left on the device."""
-        finished = []
-        while self._pending and self._pending[0].event is None \
-                and not self._pending[0].completions:
-            finished.append(self._pending.popleft())
-        return finished
-
-    def _requeue_done(self, done: list[PendingWrite]) -> None:
-        """Completed writes drained before a failure are acknowledged by the next poll; they
-        keep their ownership of the host slots (released if they are dropped after all)."""
-        for p in reversed(done):
-            self._pending.appendleft(PendingWrite(p.ack, None, [], p.owns_host))
-
-    def _abandon_pending(self) -> None:
-        """After a device fault nothing queued can be trusted: release it all and refuse."""
-        dropped = self._release_pending()
-        self._check_usable(f"; {dropped} queued write-backs were dropped and their host "
-                           "slots released" if dropped else "")
-
-    def _release_pending(self) -> int:
-        """Drop every queued write and release the host slots it owns; return how many."""
-        dropped = 0
-        while self._pending:
-            p = self._pending.popleft()
-            if p.owns_host:
-                self.allocator.free(p.ack.host_indices)
-            dropped += 1
-        return dropped
-
-    def _abandon_after_lost_group(self) -> None:
-        """The ranks can no longer agree: nothing queued will be acknowledged. The copies
-        still running are waited for before their host slots are released (another
-        controller may share the allocator), then the controller refuses every call."""
-        assert self._ack_rounds is not None and self._ack_rounds.broken is not None
-        if self._unusable is None:
-            self._unusable = self._ack_rounds.broken
-        if self._pending or self._doomed:
-            _drain_stream(self.write_stream)
-            self._pending.extend(p for p in self._doomed)
-            self._doomed = []
-            self._release_pending()
 
     # -- load ------------------------------------------------------------------------------
 
@@ -431,7 +240,7 @@ class HiCacheController:
         ``all_layers=True`` uses the all-layer (prefetch) operation: one event for all.
         """
         with self._lock:
-            self._check_usable()
+            self._health.check()
             op = Op.LOAD_ALL if all_layers else Op.LOAD_LAYER
             h, d = self.bound[(0, op)].check(host_indices, device_indices,
                                              host_trusted=self._issued_here(host_indices))
@@ -440,7 +249,7 @@ class HiCacheController:
             except BaseException as exc:
                 raise self._failure("load", exc) from exc
             return LoadHandle(subs, self.members[0].host.geometry.num_layers, self.device,
-                              self._record_fault)
+                              self._health.record)
 
     # -- internals -------------------------------------------------------------------------
 
@@ -484,36 +293,10 @@ class HiCacheController:
         if isinstance(exc, (InvalidArgument, ControllerUnusable)) or not isinstance(
                 exc, Exception):
             return exc  # refused before anything ran, or not ours to wrap
-        self._record_fault(exc)
+        self._health.record(exc)
         if isinstance(exc, TransferFailed):
             return exc
         return TransferFailed(f"{what} failed: {type(exc).__name__}: {exc}", exc)
-
-    def _record_fault(self, exc: BaseException) -> None:
-        if isinstance(exc, DeviceFault) or type(exc).__name__ == "AcceleratorError":
-            self._unusable = exc
-
-    def _check_usable(self, detail: str = "") -> None:
-        if self._unusable is not None:
-            raise ControllerUnusable(
-                f"the controller is unusable after a device fault: {self._unusable}{detail}; "
-                "recreate it (and the device context) to continue")
-
-
-#: write statuses in an acknowledgement round (a failure is sent as rank - world, below 0)
-_OK, _PENDING, _FAILED = 2, 1, 0
-#: writes one round decides on, from the oldest undecided one
-ACK_WINDOW = 64
-
-
-def _failed_message(failed: list[tuple[PendingWrite, int]], rank: int) -> str:
-    ids = ", ".join(str(p.ack.id) for p, _ in failed)
-    ranks = sorted({r for _, r in failed})
-    here = next((p.failed for p, _ in failed if p.failed is not None), None)
-    where = ", ".join(f"rank {r}" for r in ranks)
-    cause = f": {here}" if here is not None else ""
-    return (f"write-back {ids} failed at completion on {where} (this is rank {rank}); it is "
-            f"acknowledged on no rank and its host slots were released{cause}")
 
 
 def _check_pair(i: int, m: PoolPair, first: PoolPair) -> None:
