@@ -113,7 +113,11 @@ def runner_for(backend: TransferBackend, job: TransferJob) -> Runner:
     prepare = getattr(backend, "prepare", None)
     if prepare is not None:
         return prepare(job)  # type: ignore[no-any-return]
-    run = backend.run
+    return job_runner(backend.run, job)
+
+
+def job_runner(run: Callable[[TransferJob], Any], job: TransferJob) -> Runner:
+    """The :data:`Runner` that builds each job from ``job`` and calls ``run`` with it."""
     op, support, pool = job.op, job.support, job.device_pool
     buffer, geometry, strides = job.host_buffer, job.host_geometry, job.host_strides
 

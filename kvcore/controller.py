@@ -122,14 +122,11 @@ class HiCacheController:
 
             verify_plans([(m.device, m.host) for m in self.members], self.plans,
                          self.registry)
-        if process_group is not None:
-            from kvcore.distributed import agree_on_plans
-
-            agree_on_plans(self.plan_facts(), process_group, agreement_timeout_s)
         rounds = None
         if process_group is not None:
-            from kvcore.distributed import AckAgreement
+            from kvcore.distributed import AckAgreement, agree_on_plans
 
+            agree_on_plans(self.plan_facts(), process_group, agreement_timeout_s)
             rounds = AckAgreement(process_group, ack_timeout_s)
         self.write_stream = new_stream(self.device)
         self.load_stream = new_stream(self.device)

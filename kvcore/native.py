@@ -15,7 +15,7 @@ from typing import Any, Protocol
 import attrs
 import torch
 
-from kvcore.backend import Runner, TransferJob, runner_for
+from kvcore.backend import Runner, TransferJob, job_runner
 from kvcore.capabilities import HostMemory, IndexSpec, OpSupport, Residency, op_support
 from kvcore.errors import InvalidArgument, InvalidIndices
 from kvcore.layout import ByteStrides, Kind, Layout, Op, contiguous_page_layouts, layouts_for
@@ -117,10 +117,11 @@ class NativeBackend:
         self._report_ring: ReportRing | None = None
         self._layout_by_id: dict[int, tuple[ByteStrides, KvioLayout]] = {}
         #: ``wait_signal(flag, epoch, raw_stream)``: the library's wait, without the checks of
-        #: its method where the library offers that (on every ``wait_layer``)
+        #: its method where the library offers that (on every ``wait_layer``; ctypes passes
+        #: a raw handle of 0 as NULL, the legacy default stream)
         self.wait_signal: Callable[[int, int, int], None] = (
-            _raw_wait(library)
-            if hasattr(library, "function")
+            library.unchecked("kvio_wait_layer_signal")
+            if hasattr(library, "unchecked")
             and "kvio_wait_layer_signal" in getattr(library, "optional", ())
             else library.wait_layer_signal)
 
@@ -202,7 +203,7 @@ class NativeBackend:
         unchecked = getattr(self.lib, "unchecked", None)
         pool = job.device_pool
         if unchecked is None or pool.device != self.device:
-            return _run_runner(self, job)
+            return job_runner(self.run, job)
         op, variant = job.op, job.support.variant
         k_ptrs = pool.k_ptrs.data_ptr() or None
         v_ptrs = (pool.v_ptrs.data_ptr() or None) if pool.v_ptrs is not None else None
@@ -231,7 +232,7 @@ class NativeBackend:
 
             return run_staged
         if op is Op.LOAD_LAYER and variant in (self.STAGED, self.DMA):
-            return _run_runner(self, job)  # refused, or one copy-engine call per layer
+            return job_runner(self.run, job)  # refused, or one copy-engine call per layer
         direction = DEVICE_TO_HOST if op is Op.WRITE_BACK else HOST_TO_DEVICE
         plain = unchecked("kvio_transfer_direct")
         chained_fn = (unchecked("kvio_transfer_direct_chained")
@@ -250,7 +251,7 @@ class NativeBackend:
 
         if not (op is Op.LOAD_LAYER and job.support.layer_signals):
             return run_direct
-        by_layer = _run_runner(self, job)
+        by_layer = job_runner(self.run, job)
         signaled = unchecked("kvio_load_layers_signaled") \
             if "kvio_load_layers_signaled" in getattr(self.lib, "optional", ()) else None
 
@@ -333,39 +334,6 @@ class NativeBackend:
             with on_stream(torch_stream):
                 buf = self._signals[stream] = SignalBuffer(self.device, max(num_layers, 128))
         return buf
-
-
-def _run_runner(backend: NativeBackend, job: TransferJob) -> Runner:
-    """The generic runner: each call builds the job and calls :meth:`NativeBackend.run`."""
-    return runner_for(_RunOnly(backend), job)
-
-
-@attrs.frozen
-class _RunOnly:
-    """``backend`` seen without its ``prepare`` (so :func:`runner_for` falls back to run)."""
-
-    backend: NativeBackend
-
-    def run(self, job: TransferJob) -> Any:
-        return self.backend.run(job)
-
-    def allocate_host(self, shape: tuple[int, ...], dtype: torch.dtype,
-                      ) -> tuple[torch.Tensor, HostMemory]:
-        return self.backend.allocate_host(shape, dtype)
-
-
-def _raw_wait(library: Any) -> Callable[[int, int, int], None]:
-    """The library's ``kvio_wait_layer_signal`` in one Python frame: 32 of these follow a
-    one-page load, each a few microseconds."""
-    fn = library.function("kvio_wait_layer_signal")
-    check = library.check
-
-    def wait(flag: int, epoch: int, stream: int) -> None:
-        status = fn(flag, epoch, stream or None)
-        if status:
-            check("kvio_wait_layer_signal", status)
-
-    return wait
 
 
 class SignalBuffer:

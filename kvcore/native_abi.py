@@ -375,12 +375,6 @@ class NativeLibrary:
             raise KernelError(f"{function}: {self.error_string(code)} "
                               f"({self.runtime} error {code})", code=code)
 
-    def function(self, name: str) -> Any:
-        """The bound ctypes function ``name`` itself (its prototype set), for a caller that
-        checks the returned status with :meth:`check` (one call on the hottest path,
-        ``wait_layer``); prefer :meth:`unchecked`."""
-        return getattr(self._lib, name)
-
     def unchecked(self, function: str) -> Callable[..., None]:
         """``function`` called with its arguments exactly as the ctypes prototype takes them
         (ints, None for NULL, the KvioLayout, the KvioBounds), with none of the per-argument

@@ -51,11 +51,11 @@ def current_stream(device: torch.device) -> Any:
     """
     if not has_streams(device):
         return None
-    index = device.index if device.index is not None else -1
     if _accelerator_type() == device.type:
-        return torch.accelerator.current_stream(index if index >= 0 else None)
+        return torch.accelerator.current_stream(device.index)
+    # an int index skips parsing a torch.device on every call
     return torch.get_device_module(device.type).current_stream(
-        index if index >= 0 else device)
+        device.index if device.index is not None else device)
 
 
 @functools.cache
