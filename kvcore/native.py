@@ -124,6 +124,7 @@ class NativeBackend:
             if hasattr(library, "unchecked")
             and "kvio_wait_layer_signal" in getattr(library, "optional", ())
             else library.wait_layer_signal)
+        self._current_wait: Callable[[int, int], None] | None = None
 
     def raw_stream(self, stream: Any) -> int:
         """The runtime's handle of a torch stream (0: the legacy default stream)."""
@@ -133,6 +134,24 @@ class NativeBackend:
         """The raw handle of the device's current stream (a subclass may look it up faster;
         this is on every ``wait_layer``)."""
         return self.raw_stream(current_stream(self.device))
+
+    def current_signal_wait(self) -> Callable[[int, int], None]:
+        """``wait(flag, epoch)``: :attr:`wait_signal` on the device's current stream, as one
+        call (made once; it runs on every ``wait_layer``)."""
+        if self._current_wait is None:
+            lib = self.lib
+            if hasattr(lib, "unchecked") and "kvio_wait_layer_signal" in getattr(
+                    lib, "optional", ()):
+                self._current_wait = lib.unchecked("kvio_wait_layer_signal",
+                                                   last=self.current_raw_stream)
+            else:
+                wait, current = self.wait_signal, self.current_raw_stream
+
+                def wait_current(flag: int, epoch: int) -> None:
+                    wait(flag, epoch, current())
+
+                self._current_wait = wait_current
+        return self._current_wait
 
     def stream_handle(self, stream: Any) -> int:
         """The raw handle of ``stream``, or of the device's current stream when None."""
@@ -337,45 +356,66 @@ class NativeBackend:
 
 
 class SignalBuffer:
-    """Device memory for the signaled loads of one stream: ``capacity`` tile counters (zero
-    between loads) and ``capacity`` ready flags, and the epoch the last load raised them to.
-    Loads on one stream run in order, so the flags only grow (cyclically, as the wait
-    compares them); epoch 0 is the fresh memory's and never handed out first."""
+    """The signal memory of the signaled loads of one stream: ``capacity`` tile counters in
+    device memory (zero between loads) and ``capacity`` ready flags, and the epoch the last
+    load raised them to. Loads on one stream run in order, so the flags only grow
+    (cyclically, as the wait compares them); epoch 0 is the fresh memory's and never handed
+    out first.
+
+    The flags live in pinned host memory where the device has streams: the kernels publish
+    them with a system-scope store, the stream-side wait reads them where they are, and the
+    host reads them too (``landed``) without a round trip to the device, so a ``wait_layer``
+    for a layer that has already landed enqueues nothing. Without streams (an emulated
+    library on the CPU) they are plain memory that the library writes."""
 
     def __init__(self, device: torch.device, capacity: int) -> None:
         self.capacity = capacity
         # zeroed on the current stream, which is the stream of the loads that use it (one
         # buffer per stream): ordered before them without waiting for the device
-        self.memory = torch.zeros(2 * capacity, dtype=torch.int32, device=device)
-        self.counters = self.memory.data_ptr()
-        self.flags = self.counters + 4 * capacity
+        self.counter_memory = torch.zeros(capacity, dtype=torch.int32, device=device)
+        self.flag_memory = torch.zeros(capacity, dtype=torch.int32,
+                                       pin_memory=has_streams(device))
+        self.counters = self.counter_memory.data_ptr()
+        self.flags = self.flag_memory.data_ptr()
+        #: the flags as the host reads them (unsigned, as the epochs)
+        self.landed = self.flag_memory.numpy().view("<u4")
         self.epoch = 0
 
     def next_epoch(self) -> int:
         self.epoch = (self.epoch + 1) & 0xFFFFFFFF
         return self.epoch
 
+    def has_landed(self, layer: int, epoch: int) -> bool:
+        """Whether flag ``layer`` has reached ``epoch`` (the stream-side wait's cyclic
+        compare: at most 2**31 epochs ahead counts as reached)."""
+        return (int(self.landed[layer]) - epoch) & 0xFFFFFFFF < 0x80000000
+
 
 class NativeLayerSignals:
     """The LayerSignals of one signaled load: layer l has landed once flag l reaches
-    ``epoch``; a wait is a stream-side wait on that flag (no host round trip)."""
+    ``epoch``. A wait for a layer the host already sees landed returns at once; any other is
+    a stream-side wait on the flag (no host round trip either way)."""
 
     def __init__(self, backend: NativeBackend, buffer: SignalBuffer, epoch: int,
                  done: BoundsCompletion) -> None:
         self._wait: Callable[[int, int, int], None] = backend.wait_signal
         self._raw_stream = backend.raw_stream
-        self._current = backend.current_raw_stream
+        self._wait_current = backend.current_signal_wait()
         self._buffer = buffer  # keeps the flags alive while a wait may be enqueued
+        self._landed = buffer.landed
         self._flags = buffer.flags
         self._done = done
         self.epoch = epoch
 
     def wait_layer(self, layer: int, stream: Any) -> None:
-        self._wait(self._flags + 4 * layer, self.epoch, self._raw_stream(stream))
+        if not self._buffer.has_landed(layer, self.epoch):
+            self._wait(self._flags + 4 * layer, self.epoch, self._raw_stream(stream))
 
     def wait_layer_current(self, layer: int) -> None:
         """:meth:`wait_layer` on the device's current stream."""
-        self._wait(self._flags + 4 * layer, self.epoch, self._current())
+        # has_landed inlined: this runs once per layer per load
+        if (int(self._landed[layer]) - self.epoch) & 0xFFFFFFFF >= 0x80000000:
+            self._wait_current(self._flags + 4 * layer, self.epoch)
 
     def check(self) -> None:
         self._done.check()

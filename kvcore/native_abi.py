@@ -375,19 +375,28 @@ class NativeLibrary:
             raise KernelError(f"{function}: {self.error_string(code)} "
                               f"({self.runtime} error {code})", code=code)
 
-    def unchecked(self, function: str) -> Callable[..., None]:
+    def unchecked(self, function: str,
+                  last: Callable[[], Any] | None = None) -> Callable[..., None]:
         """``function`` called with its arguments exactly as the ctypes prototype takes them
         (ints, None for NULL, the KvioLayout, the KvioBounds), with none of the per-argument
         range checks of the methods below; raises KernelError for a nonzero status. For a
         caller that derived every argument from checked tensors once (a prepared runner,
-        :meth:`kvcore.native.NativeBackend.prepare`): it saves microseconds per call."""
+        :meth:`kvcore.native.NativeBackend.prepare`): it saves microseconds per call.
+        ``last``, where given, is called for the last argument on every call (the current
+        stream's handle, looked up without another Python frame)."""
         fn = getattr(self._lib, function)
         check = self.check
 
-        def call(*args: Any) -> None:
-            status = fn(*args)
-            if status:
-                check(function, status)
+        if last is None:
+            def call(*args: Any) -> None:
+                status = fn(*args)
+                if status:
+                    check(function, status)
+        else:
+            def call(*args: Any) -> None:
+                status = fn(*args, last())
+                if status:
+                    check(function, status)
 
         return call
 

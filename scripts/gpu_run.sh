@@ -94,6 +94,12 @@ probe_h2d)
 issue)
     step issue_cost 90 $PY scripts/probe_issue_cost.py
     ;;
+call_parts)  # each piece of the submit path alone, median us
+    step call_parts 120 $PY scripts/probe_call_parts.py --json "$R/call_parts.json"
+    ;;
+default_stream)  # per-layer loads from layer_first on the legacy default stream
+    step default_stream 120 $PY scripts/probe_default_stream.py
+    ;;
 submit_cost)  # where the CPU time of one controller call goes (cProfile)
     step submit_cost 120 $PY scripts/probe_submit_cost.py
     ;;

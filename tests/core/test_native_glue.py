@@ -189,8 +189,9 @@ def test_kvio_cuda_stages_all_layer_loads_of_contiguous_pages_of_64_kib_and_more
 
     for layout in Layout:
         plan = _kvio_cuda_plan(Op.LOAD_ALL, layout, 1152)
-        # (MHA page_unified pages interleave K and V: not one run per K/V, so direct)
-        contiguous = layout in (Layout.PAGE_FIRST, Layout.PAGE_FIRST_DIRECT, Layout.PAGE_HEAD)
+        # (MHA page_unified pages interleave K and V: staged as whole pages, K and V together)
+        contiguous = layout in (Layout.PAGE_FIRST, Layout.PAGE_FIRST_DIRECT, Layout.PAGE_HEAD,
+                                Layout.PAGE_UNIFIED)
         assert plan.select(64 << 10).variant == ("staged" if contiguous else "direct"), layout
         assert plan.select((64 << 10) - 16).variant == "direct", layout
         assert plan.select(1 << 20).variant == ("staged" if contiguous else "direct"), layout
@@ -316,13 +317,33 @@ def test_a_signaled_load_of_every_layer_is_one_library_call_with_the_streams_sig
     assert make_layout(layout).as_dict() == layout_fields(host.strides)
     buf = backend._signal_buffer(0, 3)
     assert (counters, flags) == (buf.counters, buf.flags)
-    assert flags == counters + 4 * buf.capacity and buf.capacity >= 3
-    assert buf.memory.dtype == torch.int32 and not buf.memory.any()  # fresh: all zero
+    assert buf.capacity >= 3
+    for memory in (buf.counter_memory, buf.flag_memory):
+        assert memory.dtype == torch.int32 and memory.numel() == buf.capacity
+        assert not memory.any()  # fresh: all zero
     # the same stream, the same memory; every load raises the flags to a new epoch
     assert a2[10:12] == (counters, flags) and (epoch, a2[12]) == (1, 2)
     lib.calls.clear()
     second.wait_layer(2, None)
     assert lib.calls == [("wait", (flags + 8, 2, 0))]
+
+
+def test_a_wait_for_a_layer_the_host_sees_landed_enqueues_nothing() -> None:
+    backend, lib, dev, host = _setup("layer_first")
+    job = _job(dev, host, Op.LOAD_LAYER, "signaled")
+    first, second = backend.run(job), backend.run(job)
+    buf = backend._signal_buffer(0, 3)
+    buf.flag_memory[0] = second.epoch  # as the kernel publishes: layer 0 of both loads landed
+    buf.flag_memory[1] = first.epoch  # layer 1 of the first load only
+    buf.flag_memory[2] = -1  # 0xFFFFFFFF: 2**32 - 1 epochs on, cyclically before both
+    lib.calls.clear()
+    for signals in (first, second):
+        for layer in range(3):
+            signals.wait_layer(layer, None)
+            signals.wait_layer_current(layer)
+    flags = buf.flags
+    assert lib.calls == [("wait", (flags + 8, first.epoch, 0))] * 2 + [
+        ("wait", (flags + 4, second.epoch, 0))] * 2 + [("wait", (flags + 8, second.epoch, 0))] * 2
 
 
 def test_the_signal_memory_grows_for_more_layers_and_keeps_the_memory_it_outgrew() -> None:

@@ -224,17 +224,20 @@ def test_a_wait_on_a_layer_holds_its_stream_until_the_flag_is_raised() -> None:
     future = type(signals)(plan.instance(), buf, (signals.epoch + 1) & 0xFFFFFFFF,
                            signals._done)
     writer, consumer = torch.cuda.Stream(DEVICE), torch.cuda.Stream(DEVICE)
+    # the flags are pinned host memory: the writer raises one with a copy on its stream
+    raised = torch.tensor([future.epoch, signals.epoch], dtype=torch.int32, device=DEVICE)
     with torch.cuda.stream(writer):
         torch.cuda._sleep(100_000_000)  # about 50 ms
-        buf.memory[buf.capacity + 3].fill_(future.epoch)
+        buf.flag_memory[3:4].copy_(raised[:1], non_blocking=True)
+    assert not buf.has_landed(3, future.epoch)
     future.wait_layer(3, consumer)
     after = torch.cuda.Event()
     after.record(consumer)
     assert not after.query(), "the wait passed a flag that was not raised yet"
     after.synchronize()  # the consumer goes on once the writer raised it
-    assert writer.query()
+    assert writer.query() and buf.has_landed(3, future.epoch)
     with torch.cuda.stream(writer):
-        buf.memory[buf.capacity + 3].fill_(signals.epoch)
+        buf.flag_memory[3:4].copy_(raised[1:], non_blocking=True)
     writer.synchronize()
 
 

@@ -3,8 +3,9 @@ reference on the GPU (CUDA machines only; skipped with the reason elsewhere).
 
 `kvio check cuda` covers page_unified through the capability records (one head group and the
 most groups up to 4 its elements allow); these add 1, 2 and 4 groups on one 8-head element and
-every index pattern of test_cuda_paths, for each op as the plan selects its variant (MHA:
-direct, K and V interleave inside a page; MLA: staged, its pages are one run).
+every index pattern of test_cuda_paths, for each op as the plan selects its variant (the
+staged variants for whole pages: MHA stages K and V together, they alternate inside a page;
+MLA's pages are one run).
 """
 
 from __future__ import annotations
@@ -97,8 +98,8 @@ def test_page_unified_equals_the_reference(kind: str, groups: int, op: Op) -> No
 def test_whole_page_staging_equals_the_reference(groups: int, op: Op,
                                                  staging_pages: int) -> None:
     """The library's staged functions on MHA page_unified pages (K and V alternate inside one
-    run, so whole pages are staged; kvcore does not declare this for kvio_cuda until it is
-    measured): one page of staging (no pipeline), three (chunks), 64 (pipelined halves)."""
+    run, so whole pages are staged), called directly: one page of staging (no pipeline), three
+    (chunks), 64 (pipelined halves)."""
     from kvio_cuda.backend import CudaBackend
 
     from kvcore.native import layout_fields

@@ -85,6 +85,10 @@ STAGED_LOAD = True
 #: (the all-layer load, docs/benchmarks/h200-2026-12-03c/).
 SIGNALED_LOAD = True
 
+#: staged write-backs and all-layer loads also take MHA page_unified pages, where K and V
+#: alternate inside one run: the library stages and copies whole pages (K and V together)
+WHOLE_PAGE_STAGED = True
+
 CAPABILITIES = Capabilities(
     name="cuda",
     version=__version__,
@@ -96,7 +100,8 @@ CAPABILITIES = Capabilities(
     # engine (contiguous DMA beats SMs reading pinned memory); the rest use the direct kernel.
     # All-layer loads of contiguous host pages are staged, as write-backs are.
     ops=native_ops(dma_load_layouts=DMA_LOAD_LAYOUTS, dma_min_page_bytes=DMA_MIN_SLICE_BYTES,
-                   staged_load=STAGED_LOAD, signaled_load=SIGNALED_LOAD),
+                   staged_load=STAGED_LOAD, signaled_load=SIGNALED_LOAD,
+                   whole_page_staged=WHOLE_PAGE_STAGED),
     host_memory=HostMemory.PINNED,
     device_types=frozenset({"cuda"}),
     description="NVIDIA kernels: staged batched-memcpy and direct non-temporal write-back, "

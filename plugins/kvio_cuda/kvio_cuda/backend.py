@@ -3,6 +3,8 @@ through it."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from kvcore.buildcache import load_library
@@ -25,10 +27,9 @@ class CudaBackend(NativeBackend):
         lib = load_library(path, prebuilt.sha256 if prebuilt is not None else None)
         super().__init__(device, NativeLibrary(path, lib=lib))
         self._index = device.index if device.index is not None else torch.cuda.current_device()
-        # torch's own lookup of the current stream's handle, without building a stream object
-        self._raw_current = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-
-    def current_raw_stream(self) -> int:
-        if self._raw_current is None:
-            return super().current_raw_stream()
-        return int(self._raw_current(self._index))
+        raw_current = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        if raw_current is not None:
+            # torch's own lookup of the current stream's handle, without building a stream
+            # object or a Python frame (on every wait_layer)
+            self.current_raw_stream = functools.partial(  # type: ignore[method-assign]
+                raw_current, self._index)
