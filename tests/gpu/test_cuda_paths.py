@@ -207,9 +207,9 @@ def test_signaled_load_equals_the_reference_and_raises_every_flag(kind: str,
             assert torch.equal(dev.layers(kv)[layer].view(torch.int16),
                                expected.layers(kv)[layer].view(torch.int16)), (kv, layer)
     buf = plan.instance()._signals[int(stream.cuda_stream)]
-    flags = buf.memory[buf.capacity:buf.capacity + LAYERS].cpu()
-    assert flags.tolist() == [signals.epoch] * LAYERS
-    assert not buf.memory[:buf.capacity].any()  # the counters are zero again
+    assert buf.flag_memory[:LAYERS].tolist() == [signals.epoch] * LAYERS
+    assert all(buf.has_landed(layer, signals.epoch) for layer in range(LAYERS))
+    assert not buf.counter_memory.any()  # the counters are zero again
 
 
 def test_a_wait_on_a_layer_holds_its_stream_until_the_flag_is_raised() -> None:
