@@ -150,13 +150,14 @@ class Submission:
     everything already ran when ``submit`` returned.
     """
 
-    __slots__ = ("_done", "_waits", "event")
+    __slots__ = ("_done", "_one", "_waits", "event")
 
     def __init__(self, waits: dict[int, Any], event: Any,
-                 completions: list[tuple[int | None, Any]]) -> None:
+                 completions: list[tuple[int | None, Any]], one: Any = None) -> None:
         self._waits = waits
         self.event = event
         self._done = completions  # (layer the completion belongs to, None: every layer)
+        self._one = one  # the wait of every layer, where one object serves them all
 
     @property
     def layers(self) -> tuple[int, ...]:
@@ -182,10 +183,13 @@ class Submission:
         layer's wait can look that stream up itself (a backend's LayerSignals with
         ``wait_layer_current``: one call per layer instead of a stream lookup and a
         dispatch); else None."""
-        waits = list(self._waits.values())
-        if not waits or any(w is not waits[0] for w in waits):
-            return None
-        fast = getattr(waits[0], WAIT_CURRENT, None)
+        one = self._one
+        if one is None:
+            waits = list(self._waits.values())
+            if not waits or any(w is not waits[0] for w in waits):
+                return None
+            one = waits[0]
+        fast = getattr(one, WAIT_CURRENT, None)
         return fast if callable(fast) else None
 
     def query(self) -> bool:
@@ -381,7 +385,7 @@ class BoundPlan:
                     f"check); it returned {type(signals).__name__}")
             event = recorded_event(self.device, s)
             return Submission(dict.fromkeys(range(self.num_layers), signals), event,
-                              [(None, signals)])
+                              [(None, signals)], one=signals)
         waits: dict[int, Any] = {}
         completions = []
         for n in range(self.num_layers):
