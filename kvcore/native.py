@@ -125,6 +125,16 @@ class NativeBackend:
             and "kvio_wait_layer_signal" in getattr(library, "optional", ())
             else library.wait_layer_signal)
         self._current_wait: Callable[[int, int], None] | None = None
+        if hasattr(library, "unchecked") and "kvio_copy_to_device" in getattr(
+                library, "optional", ()):
+            copy, raw = library.unchecked("kvio_copy_to_device"), self.raw_stream
+
+            def upload_indices(dst: int, src: int, nbytes: int, stream: Any) -> None:
+                copy(dst, src, nbytes, raw(stream) or None)
+
+            #: the index ring's upload through the library (kvcore.placement.Upload): one
+            #: runtime call instead of torch's copy dispatch and a stream switch
+            self.upload_indices = upload_indices
 
     def raw_stream(self, stream: Any) -> int:
         """The runtime's handle of a torch stream (0: the legacy default stream)."""

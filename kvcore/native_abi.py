@@ -254,14 +254,21 @@ OPTIONAL_PROTOTYPES: dict[str, tuple[Any, tuple[Any, ...]]] = {
         _c.c_int,       # dev_idx_64
         _c.c_int64,     # n_tokens
         _c.c_void_p,    # counters (uint32 x num_layers, device, zero between calls)
-        _c.c_void_p,    # flags (uint32 x num_layers, device)
+        _c.c_void_p,    # flags (uint32 x num_layers, device memory or pinned host memory)
         _c.c_uint32,    # epoch
         _c.c_void_p,    # stream
         _BOUNDS_P,      # bounds (const kvio_bounds*, read during the call)
     )),
     "kvio_wait_layer_signal": (_c.c_int, (
-        _c.c_void_p,    # flag (device address of one uint32)
+        _c.c_void_p,    # flag (device-visible address of one uint32)
         _c.c_uint32,    # epoch
+        _c.c_void_p,    # stream
+    )),
+    # one asynchronous copy of pinned host bytes to the device, on a stream
+    "kvio_copy_to_device": (_c.c_int, (
+        _c.c_void_p,    # dst (device memory)
+        _c.c_void_p,    # src (pinned host memory)
+        _c.c_int64,     # nbytes
         _c.c_void_p,    # stream
     )),
 }

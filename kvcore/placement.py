@@ -13,6 +13,7 @@ the copy then goes through torch's allocators instead. Nothing here ever waits.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -68,14 +69,23 @@ class _Segment:
         self.events: dict[Any, Any] = {}  # stream key -> completion event of its last user
 
 
+#: ``upload(dst, src, nbytes, stream)``: enqueue a copy of ``nbytes`` pinned host bytes at
+#: address ``src`` to device address ``dst`` on the torch stream ``stream``, without waiting
+#: (a backend's ``upload_indices``, see docs/writing-a-backend.md)
+Upload = Callable[[int, int, int, Any], None]
+
+
 class IndexRing:
     """Copies CPU index tensors to ``device`` through preallocated pinned and device memory;
     see the module docstring. One per bound plan; safe for concurrent submits (a lock held
-    for the bookkeeping and the copy's enqueueing)."""
+    for the bookkeeping and the copy's enqueueing). With ``upload`` (the backend's own
+    copy) the copy goes on the stream :meth:`stage` names, else through torch on the current
+    stream."""
 
     def __init__(self, device: torch.device, capacity: int = RING_BYTES,
-                 segments: int = RING_SEGMENTS) -> None:
+                 segments: int = RING_SEGMENTS, upload: Upload | None = None) -> None:
         self.device = device
+        self.upload = upload
         self.segment_bytes = capacity // segments
         self._segments = [_Segment() for _ in range(segments)]
         self._current = 0
@@ -87,14 +97,16 @@ class IndexRing:
                                                                torch.Tensor]] = {}
         self._lock = threading.Lock()
 
-    def stage(self, indices: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, int] | None:
-        """A device tensor of ``indices`` (a contiguous CPU tensor) as ``dtype``, copied on the
-        current stream, and the segment it came from (for :meth:`seal`); None where the ring
-        has no free slot that large (the caller places it otherwise)."""
+    def stage(self, indices: torch.Tensor, dtype: torch.dtype,
+              stream: Any = None) -> tuple[torch.Tensor, int] | None:
+        """A device tensor of ``indices`` (a contiguous CPU tensor) as ``dtype``, copied on
+        ``stream`` (with ``upload``; else on the current stream), and the segment it came from
+        (for :meth:`seal`); None where the ring has no free slot that large (the caller places
+        it otherwise)."""
         with self._lock:
-            return self._stage(indices, dtype)
+            return self._stage(indices, dtype, stream)
 
-    def _stage(self, indices: torch.Tensor, dtype: torch.dtype,
+    def _stage(self, indices: torch.Tensor, dtype: torch.dtype, stream: Any,
                ) -> tuple[torch.Tensor, int] | None:
         itemsize = dtype.itemsize
         nbytes = -(-indices.numel() * itemsize // SLOT_ALIGN) * SLOT_ALIGN
@@ -116,7 +128,10 @@ class IndexRing:
             views = self._slot_views(start, indices.numel(), dtype)
         host, src, dst = views
         np.copyto(host, indices.numpy(), casting="unsafe")
-        dst.copy_(src, non_blocking=True)
+        if self.upload is not None:
+            self.upload(dst.data_ptr(), src.data_ptr(), indices.numel() * itemsize, stream)
+        else:
+            dst.copy_(src, non_blocking=True)
         return dst, self._current
 
     def _slot_views(self, start: int, n: int, dtype: torch.dtype,

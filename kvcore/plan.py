@@ -244,7 +244,9 @@ class BoundPlan:
         # (host indices on the CPU, device indices on the CPU) -> the variant that runs
         self._routes = {(h_cpu, d_cpu): self._route(h_cpu, d_cpu)
                         for h_cpu in (True, False) for d_cpu in (True, False)}
-        self._ring = IndexRing(self.device) if has_streams(self.device) else None
+        self._ring = IndexRing(self.device, upload=getattr(self.backend, "upload_indices",
+                                                           None)) \
+            if has_streams(self.device) else None
 
     @property
     def context(self) -> str:
@@ -335,32 +337,40 @@ class BoundPlan:
         if fits(h, support.host_index, device) and fits(d, support.device_index, device):
             return self._enqueue(support, h, d, layer, s, chained)
         segments: list[int] = []
-        with on_stream(s):  # copies and allocations are ordered on the transfer's stream
-            h = self._place_on_stream(h, support.host_index, segments)
-            d = self._place_on_stream(d, support.device_index, segments)
-        if not segments:
-            return self._enqueue(support, h, d, layer, s, chained)
         sub: Submission | None = None
         try:
+            ring = self._ring
+            if ring is not None and ring.upload is not None:  # no stream switch needed
+                h = self._place_on_stream(h, support.host_index, segments, s, ring_only=True)
+                d = self._place_on_stream(d, support.device_index, segments, s, ring_only=True)
+            if not (fits(h, support.host_index, device) and fits(d, support.device_index,
+                                                                  device)):
+                with on_stream(s):  # copies and allocations are ordered on the stream
+                    h = self._place_on_stream(h, support.host_index, segments, s)
+                    d = self._place_on_stream(d, support.device_index, segments, s)
             sub = self._enqueue(support, h, d, layer, s, chained)
         finally:  # the ring's slots are free once what read them (or nothing) completed
-            event = sub.event if sub is not None else recorded_event(device, s)
-            assert self._ring is not None
-            self._ring.seal(segments, event, _stream_key(s))
+            if segments:
+                event = sub.event if sub is not None else recorded_event(device, s)
+                assert self._ring is not None
+                self._ring.seal(segments, event, _stream_key(s))
+        assert sub is not None
         return sub
 
-    def _place_on_stream(self, t: torch.Tensor, spec: IndexSpec,
-                         segments: list[int]) -> torch.Tensor:
+    def _place_on_stream(self, t: torch.Tensor, spec: IndexSpec, segments: list[int],
+                         stream: Any, ring_only: bool = False) -> torch.Tensor:
+        """``t`` where ``spec`` wants it: through the ring where it can take it, else (unless
+        ``ring_only``) by :func:`place` on the current stream, which must be ``stream``."""
         if fits(t, spec, self.device):
             return t
         if (self._ring is not None and t.is_cpu and spec.residency is Residency.DEVICE
                 and t.is_contiguous()):
             dtype = t.dtype if t.dtype in spec.dtypes else spec.dtypes[0]
-            staged = self._ring.stage(t, dtype)
+            staged = self._ring.stage(t, dtype, stream)
             if staged is not None:
                 segments.append(staged[1])
                 return staged[0]
-        return place(t, spec, self.device)
+        return t if ring_only else place(t, spec, self.device)
 
     def _enqueue(self, support: OpSupport, hp: torch.Tensor, dp: torch.Tensor,
                  layer: int | None, s: Any, chained: bool) -> Submission:

@@ -5,6 +5,8 @@ stand-ins whose completion the test decides; the bookkeeping under test is the s
 
 from __future__ import annotations
 
+import ctypes
+
 import pytest
 import torch
 
@@ -19,8 +21,10 @@ class Event:
         return self.done
 
 
-def _ring(segments: int = 2, segment_bytes: int = 4 * SLOT_ALIGN) -> IndexRing:
-    ring = IndexRing(torch.device("cpu"), capacity=segments * segment_bytes, segments=segments)
+def _ring(segments: int = 2, segment_bytes: int = 4 * SLOT_ALIGN,
+          upload: object = None) -> IndexRing:
+    ring = IndexRing(torch.device("cpu"), capacity=segments * segment_bytes, segments=segments,
+                     upload=upload)  # type: ignore[arg-type]
 
     def allocate() -> None:  # no pinned memory on a CPU-only torch
         size = ring.segment_bytes * segments
@@ -81,3 +85,33 @@ def test_a_tensor_larger_than_a_segment_is_left_to_the_caller() -> None:
     ring = _ring(segments=2, segment_bytes=SLOT_ALIGN)
     assert ring.stage(torch.arange(SLOT_ALIGN // 8 + 1), torch.int64) is None
     assert ring.stage(torch.arange(0), torch.int64) is None
+
+
+def test_with_the_backends_upload_the_copy_goes_through_it_on_the_stream_named() -> None:
+    calls: list[tuple[int, int, int, object]] = []
+
+    def upload(dst: int, src: int, nbytes: int, stream: object) -> None:
+        calls.append((dst, src, nbytes, stream))
+        ctypes.memmove(dst, src, nbytes)  # what the library's copy does, later on the stream
+
+    ring = _ring(upload=upload)
+    src = torch.randint(0, 1 << 30, (37,), generator=torch.Generator().manual_seed(4))
+    out, _ = ring.stage(src, torch.int32, "the stream")  # type: ignore[misc]
+    assert ring._pinned is not None and ring._device_mem is not None
+    assert calls == [(ring._device_mem.data_ptr(), ring._pinned.data_ptr(), 37 * 4,
+                      "the stream")]
+    assert out.data_ptr() == ring._device_mem.data_ptr() and torch.equal(out, src.to(torch.int32))
+
+
+def test_a_reused_slot_view_never_mixes_lengths_or_dtypes() -> None:
+    ring = _ring(segments=2, segment_bytes=16 * SLOT_ALIGN)
+    gen = torch.Generator().manual_seed(5)
+    for n, dtype in [(8, torch.int64), (8, torch.int32), (5, torch.int64), (8, torch.int64)]:
+        for seg in (0, 1):  # fill both segments, then come back to the same slots
+            ring._segments[seg].used = 0
+            ring._current = seg
+            src = torch.randint(0, 1 << 30, (n,), generator=gen)
+            out, _ = ring.stage(src, dtype)  # type: ignore[misc]
+            assert out.dtype == dtype and out.numel() == n
+            assert torch.equal(out, src.to(dtype))
+    assert len(ring._views) == 6  # (start, length, dtype) of each slot; the last one reused

@@ -446,3 +446,27 @@ def test_a_signaled_variant_that_returns_no_signals_breaks_the_contract() -> Non
     bound = plan.bind(dev, host)
     with pytest.raises(ContractViolation, match=r"layer_signals.*returned NoneType"):
         bound.submit(torch.arange(16, 32), torch.arange(16))
+
+
+# ------------------------------------------------------------------ the index ring's upload
+
+
+class UploadingLibrary(RecordingLibrary):
+    """A library that also has the optional kvio_copy_to_device."""
+
+    optional = ("kvio_copy_to_device",)
+
+    def unchecked(self, function: str, last: Any = None) -> Any:
+        def call(*args: Any) -> None:
+            self.calls.append((function, args + ((last(),) if last is not None else ())))
+
+        return call
+
+
+def test_a_library_with_its_own_copy_uploads_the_index_rings_slots_and_only_then() -> None:
+    lib = UploadingLibrary()
+    backend = CpuNative(torch.device("cpu"), lib)  # type: ignore[arg-type]
+    backend.upload_indices(4096, 8192, 512, None)  # type: ignore[attr-defined]
+    assert lib.calls == [("kvio_copy_to_device", (4096, 8192, 512, None))]  # NULL: no stream
+    without = CpuNative(torch.device("cpu"), RecordingLibrary())  # type: ignore[arg-type]
+    assert not hasattr(without, "upload_indices")  # the ring copies through torch then

@@ -16,6 +16,8 @@
 //   kvio_load_layers_signaled  (optional) a per-layer load of every layer in one grid, layer
 //                           after layer, each layer publishing a ready flag;
 //                           kvio_wait_layer_signal makes a stream wait for one flag.
+//   kvio_copy_to_device     (optional) one asynchronous copy of pinned host bytes to the
+//                           device (the index ring's upload, without torch's dispatch).
 //
 // The geometry comes from Python (kvcore.layout); the kernels never derive it. Everything
 // here returns a cudaError_t as int (0 = success) and checks every runtime call.
@@ -1799,4 +1801,18 @@ KVIO_API int kvio_wait_layer_signal(const uint32_t* flag, uint32_t epoch, void* 
     // CUresult and cudaError_t share their codes for everything this call can return
     return fn(s, static_cast<unsigned long long>(reinterpret_cast<uintptr_t>(flag)), epoch,
               kWaitValueGeq);
+}
+
+KVIO_API int kvio_copy_to_device(void* dst, const void* src, int64_t nbytes, void* stream) {
+    if (dst == nullptr || src == nullptr || nbytes < 0) {
+        return cudaErrorInvalidValue;
+    }
+    cudaStream_t s = static_cast<cudaStream_t>(stream);
+    DeviceGuard guard;
+    const cudaError_t entered = guard.enter(s);
+    if (entered != cudaSuccess) {
+        return finish(entered);
+    }
+    return finish(cudaMemcpyAsync(dst, src, static_cast<size_t>(nbytes), cudaMemcpyHostToDevice,
+                                  s));
 }
