@@ -1706,6 +1706,16 @@ cudaError_t load_layer_dma(char* k_dst, char* v_dst, int32_t layer, void* host_b
     return fork.join();
 }
 
+// One asynchronous copy of pinned host bytes to the device (kvio_copy_to_device).
+cudaError_t copy_to_device(void* dst, const void* src, int64_t nbytes, cudaStream_t s) {
+    if (dst == nullptr || src == nullptr || nbytes < 0) {
+        return cudaErrorInvalidValue;
+    }
+    DeviceGuard guard;
+    KVIO_CHECK(guard.enter(s));
+    return cudaMemcpyAsync(dst, src, static_cast<size_t>(nbytes), cudaMemcpyHostToDevice, s);
+}
+
 // A failed runtime call also leaves its (non-sticky) code in the runtime's last-error slot,
 // which the process may share with torch; the code is returned to the caller instead, so
 // the slot is cleared rather than blamed later on an unrelated launch.
@@ -1804,15 +1814,5 @@ KVIO_API int kvio_wait_layer_signal(const uint32_t* flag, uint32_t epoch, void* 
 }
 
 KVIO_API int kvio_copy_to_device(void* dst, const void* src, int64_t nbytes, void* stream) {
-    if (dst == nullptr || src == nullptr || nbytes < 0) {
-        return cudaErrorInvalidValue;
-    }
-    cudaStream_t s = static_cast<cudaStream_t>(stream);
-    DeviceGuard guard;
-    const cudaError_t entered = guard.enter(s);
-    if (entered != cudaSuccess) {
-        return finish(entered);
-    }
-    return finish(cudaMemcpyAsync(dst, src, static_cast<size_t>(nbytes), cudaMemcpyHostToDevice,
-                                  s));
+    return finish(copy_to_device(dst, src, nbytes, static_cast<cudaStream_t>(stream)));
 }
