@@ -149,14 +149,16 @@ class SlotAllocator:
         self.size = size
         self.page_size = page_size
         self.num_pages = size // page_size
-        self._free = list(range(self.num_pages - 1, -1, -1))  # pop() yields low pages first
+        # a stack of free pages: [0, _top) holds them, the top (low pages first) is taken next
+        self._free = np.arange(self.num_pages - 1, -1, -1, dtype=np.int64)
+        self._top = self.num_pages
         self._taken = np.zeros(self.num_pages, dtype=np.bool_)
         self._ramp = np.arange(page_size, dtype=np.int64)
         self._lock = threading.Lock()
 
     def available_size(self) -> int:
         """Free token slots."""
-        return len(self._free) * self.page_size
+        return self._top * self.page_size
 
     def alloc(self, num_tokens: int) -> torch.Tensor:
         """Token indices of ``num_tokens / page_size`` free pages; all or nothing."""
@@ -165,15 +167,15 @@ class SlotAllocator:
                                   f"{self.page_size}", str(num_tokens))
         n = num_tokens // self.page_size
         with self._lock:
-            if n > len(self._free):
+            if n > self._top:
                 raise AllocatorError(f"host pool full: {num_tokens} slots requested, "
                                      f"{self.available_size()} free of {self.size}")
-            pages = np.array(self._free[len(self._free) - n:][::-1], dtype=np.int64)
+            pages = self._free[self._top - n:self._top][::-1].copy()
             taken = self._taken[pages]
             if taken.any():
                 raise AllocatorError(f"double allocation: free list holds taken page "
                                      f"{int(pages[np.flatnonzero(taken)[0]])}")
-            del self._free[len(self._free) - n:]
+            self._top -= n
             self._taken[pages] = True
         return torch.from_numpy((pages[:, None] * self.page_size + self._ramp).reshape(-1))
 
@@ -192,7 +194,8 @@ class SlotAllocator:
                                      f"{page * self.page_size}.."
                                      f"{(page + 1) * self.page_size - 1}) is not allocated")
             self._taken[pages] = False
-            self._free.extend(reversed(pages.tolist()))
+            self._free[self._top:self._top + pages.size] = pages[::-1]
+            self._top += pages.size
 
     def is_allocated(self, indices: torch.Tensor) -> bool:
         pages = self._pages_of("indices", indices)
@@ -201,7 +204,7 @@ class SlotAllocator:
 
     def state(self) -> AllocatorState:
         with self._lock:
-            return AllocatorState(tuple(self._free),
+            return AllocatorState(tuple(self._free[:self._top].tolist()),
                                   tuple(np.flatnonzero(self._taken).tolist()))
 
     def _pages_of(self, name: str, indices: torch.Tensor) -> np.ndarray:
