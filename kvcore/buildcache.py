@@ -326,10 +326,12 @@ def files_digest(paths: Sequence[Path]) -> str:
     return h.hexdigest()
 
 
-def run_compiler(cmd: list[str], what: str) -> str:
-    """Run a compiler command; its output on success, BuildError with the last 40 lines if not."""
+def run_compiler(cmd: list[str], what: str, tmpdir: Path | None = None) -> str:
+    """Run a compiler command; its output on success, BuildError with the last 40 lines if not.
+    ``tmpdir``: the compiler's TMPDIR (its intermediate files), else the environment's."""
+    env = None if tmpdir is None else {**os.environ, "TMPDIR": str(tmpdir)}
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        proc = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
     except OSError as exc:
         raise BuildError(f"cannot run {cmd[0]}: {exc}") from exc
     if proc.returncode != 0:

@@ -329,3 +329,25 @@ def test_build_prebuilt_leaves_out_what_an_nvcc_does_not_know(tmp_path: Path,
         assert build.choose_library(*cc, cuda, out).code == code
     with pytest.raises(BuildError, match="no nvcc"):
         build.build_prebuilt(out, [])
+
+
+def test_a_prebuilt_compile_runs_in_its_own_temp_folder_and_is_tried_once_more(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.delenv("KVIO_CUDA_TUNE", raising=False)
+    nvcc = fake_nvcc(tmp_path / "13.0" / "nvcc", "13.0", "sm_80 sm_86 sm_89 sm_90 sm_100 sm_120")
+    real = nvcc.read_text()
+    seen, failed = tmp_path / "tmpdirs", tmp_path / "failed"
+    # the first compile fails as nvcc's device link once did in CI; the next one passes
+    flaky = (f'echo "$TMPDIR" >> {seen}\n'
+             f'if [ ! -e {failed} ]; then touch {failed}; '
+             'echo "nvlink fatal   : Could not read file x_dlink.reg.c" >&2; exit 255; fi\n')
+    nvcc.write_text(real.replace('out=""', flaky + 'out=""'))
+    entries = build.build_prebuilt(tmp_path / "out", [build.nvcc_at(nvcc)])
+    assert [e["file"] for e in entries] == ["libkvio_cuda-cu13.so"]
+    first, second = seen.read_text().split()
+    assert first != second and "kvio-nvcc-" in first and not Path(first).exists()
+    assert "nvcc failed, trying once more: nvlink fatal" in capsys.readouterr().err
+    nvcc.write_text(real.replace('out=""', 'exit 3\nout=""'))  # fails every time
+    with pytest.raises(BuildError, match="exit 3"):
+        build.build_prebuilt(tmp_path / "out", [build.nvcc_at(nvcc)], log=False)

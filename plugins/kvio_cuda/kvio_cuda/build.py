@@ -21,6 +21,7 @@ import site
 import subprocess
 import sys
 import sysconfig
+import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -563,6 +564,22 @@ _PREBUILT_RPATH = {12: "$ORIGIN/../../nvidia/cuda_runtime/lib",
                    13: "$ORIGIN/../../nvidia/cu13/lib"}
 
 
+def _compile_prebuilt(cmd: list[str], name: str, log: bool) -> str:
+    """One prebuilt library's nvcc run, its intermediate files in a folder of its own. A
+    failed run is tried once more: nvcc 13 with ``--threads`` once failed in CI's device link
+    (``nvlink fatal: Could not read file .../tmpxft_..._dlink.reg.c``) while another nvcc ran
+    beside it, and passed again unchanged."""
+    with tempfile.TemporaryDirectory(prefix="kvio-nvcc-") as tmp:
+        try:
+            return run_compiler(cmd, "nvcc", tmpdir=Path(tmp))
+        except BuildError as exc:
+            if log:
+                print(f"kvio_cuda: {name}: nvcc failed, trying once more: "
+                      f"{str(exc).splitlines()[-1]}", file=sys.stderr, flush=True)
+    with tempfile.TemporaryDirectory(prefix="kvio-nvcc-") as tmp:
+        return run_compiler(cmd, "nvcc", tmpdir=Path(tmp))
+
+
 def build_prebuilt(out_dir: Path, nvccs: Sequence[Nvcc], threads: int = 0,
                    log: bool = True) -> list[dict[str, object]]:
     """Compile one library per CUDA major of ``nvccs`` (the newest nvcc of each major) into
@@ -606,7 +623,7 @@ def build_prebuilt(out_dir: Path, nvccs: Sequence[Nvcc], threads: int = 0,
                   f"{' '.join(sass)} + {' '.join(ptx)} PTX"
                   + (f" (nvcc {nvcc.release} lacks {' '.join(skipped)})" if skipped else ""),
                   file=sys.stderr, flush=True)
-        report = run_compiler(cmd, "nvcc")
+        report = _compile_prebuilt(cmd, name, log)
         (out_dir / f"{Path(name).stem}.ptxas.txt").write_text(report)
         entries.append({"file": name, "cuda_major": cuda_major,
                         "nvcc": ".".join(map(str, nvcc.version)),
