@@ -836,3 +836,22 @@ def test_the_staged_path_refuses_pages_that_are_not_one_run(emul) -> None:
         lib.write_back_staged(pool.k_ptrs, pool.v_ptrs, 3, host.data_ptr(), layout_of(g, 2),
                               h.data_ptr(), d.data_ptr(), 1, 4, staging.data_ptr(),
                               staging.numel(), 1, 0)
+
+
+def test_copy_to_device_is_one_async_copy_and_reports_the_runtimes_error(
+        emul: tuple[NativeLibrary, ctypes.CDLL]) -> None:
+    lib, raw = emul
+    assert "kvio_copy_to_device" in lib.optional
+    copy = lib.unchecked("kvio_copy_to_device")
+    src = torch.randint(-2**62, 2**62, (37,), generator=torch.Generator().manual_seed(8))
+    dst = torch.full((40,), -1, dtype=torch.int64)  # poisoned, three slots past the copy
+    before = counters(raw)
+    copy(dst.data_ptr(), src.data_ptr(), 37 * 8, None)
+    after = counters(raw)
+    assert (after["memcpy"] - before["memcpy"], after["bytes"] - before["bytes"]) == (1, 37 * 8)
+    assert torch.equal(dst[:37], src) and (dst[37:] == -1).all()
+    raw.kvio_emul_fail_next(1, 2)  # the runtime's copy fails: out of memory
+    with pytest.raises(KernelError, match=r"^kvio_copy_to_device: out of memory"):
+        copy(dst.data_ptr(), src.data_ptr(), 8, None)
+    with pytest.raises(KernelError, match=r"^kvio_copy_to_device: invalid argument"):
+        copy(None, src.data_ptr(), 8, None)

@@ -75,6 +75,9 @@ KVIO_API int kvio_load_all_staged(const uint64_t* k_ptrs, const uint64_t* v_ptrs
                                   int64_t staging_bytes, int use_batched, void* stream,
                                   const kvio_bounds* bounds);
 
+/* optional in the ABI: one asynchronous copy of pinned host bytes to the device */
+KVIO_API int kvio_copy_to_device(void* dst, const void* src, int64_t nbytes, void* stream);
+
 KVIO_API int kvio_has_batched_memcpy(void);
 
 #ifdef __cplusplus

@@ -419,4 +419,11 @@ KVIO_API int kvio_load_all_staged(const uint64_t* k_ptrs, const uint64_t* v_ptrs
                            stream, bounds);
 }
 
+KVIO_API int kvio_copy_to_device(void* dst, const void* src, int64_t nbytes, void* stream) {
+    if (!dst || !src || nbytes < 0) return hipErrorInvalidValue;
+    if (nbytes == 0) return hipSuccess;
+    return hipMemcpyAsync(dst, src, (size_t)nbytes, hipMemcpyHostToDevice,
+                          static_cast<hipStream_t>(stream));
+}
+
 } // extern "C"
