@@ -19,12 +19,18 @@ from typing import Any
 
 from kvcore.errors import BuildError, InvalidArgument, KernelError
 
-__all__ = ["ABI_VERSION", "REPORT_BYTES", "KvioBounds", "KvioLayout", "KvioReport",
-           "NativeLibrary", "OPTIONAL_PROTOTYPES", "PROTOTYPES", "make_bounds", "make_layout",
-           "unchecked_bounds"]
+__all__ = ["ABI_HEADER", "ABI_VERSION", "INCLUDE_DIR", "REPORT_BYTES", "KvioBounds",
+           "KvioLayout", "KvioReport", "NativeLibrary", "OPTIONAL_PROTOTYPES", "PROTOTYPES",
+           "make_bounds", "make_layout", "unchecked_bounds"]
 
 #: the ABI version this binding speaks (kvio_abi_version() must return it)
 ABI_VERSION = 2
+
+#: the folder holding ``kvio_abi.h``, the ABI's C header (structs and prototypes): what a
+#: native library builds against (``-I``); this module mirrors it for ctypes
+INCLUDE_DIR = Path(__file__).resolve().parent / "include"
+#: the header itself
+ABI_HEADER = INCLUDE_DIR / "kvio_abi.h"
 
 _LAYOUT_FIELDS = ("kv_stride", "layer_stride", "page_stride", "token_stride", "chunk_stride",
                   "page_size", "chunk_bytes", "num_chunks")

@@ -23,6 +23,8 @@ import pytest
 from kvio_rocm import codegen
 from kvio_rocm.codegen import Compiler, KernelAsm, check_assembly, check_kernel, parse_kernels
 
+from kvcore.native_abi import INCLUDE_DIR
+
 INSTALL = {"clang-19": "apt-get install -y clang-19 lld-19", "zig": "pip install ziglang"}
 CASES = [("gfx942", "clang-19"), ("gfx942", "zig"), ("gfx950", "zig")]
 CASE_IDS = [f"{t}-{c}" for t, c in CASES]
@@ -148,8 +150,9 @@ def test_host_side_compiles_in_hip_mode(tmp_path: Path) -> None:
     c = compiler_for("gfx942", "clang-19")
     out = tmp_path / "kvio_rocm.o"
     cmd = [*c.argv, "-x", "hip", "--offload-arch=gfx942", "-nogpuinc", "-nogpulib",
-           f"-I{FAKE_HIP}", "-std=c++17", "-O3", "-fPIC", "-fvisibility=hidden", "-Wall",
-           "-Wextra", "-c", str(codegen.CSRC / "kvio_rocm.hip"), "-o", str(out)]
+           f"-I{FAKE_HIP}", f"-I{INCLUDE_DIR}", "-std=c++17", "-O3", "-fPIC",
+           "-fvisibility=hidden", "-Wall", "-Wextra", "-c", str(codegen.CSRC / "kvio_rocm.hip"),
+           "-o", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     assert proc.returncode == 0, proc.stderr
     assert "warning" not in proc.stderr, proc.stderr

@@ -20,9 +20,11 @@ from kvio_rocm.probe import RocmFacts, gather_facts
 from kvio_rocm.probe import probe as rocm_probe
 
 from kvcore import native_abi
+from kvcore.buildcache import files_digest
 from kvcore.errors import BuildError, InvalidArgument, KernelError
 from kvcore.layout import Geometry, Kind, Layout, byte_strides
 from kvcore.native import layout_fields
+from kvcore.native_abi import ABI_HEADER, INCLUDE_DIR
 
 # ---------------------------------------------------------------------------- probe
 
@@ -243,8 +245,8 @@ def test_compile_command_hipcc() -> None:
     tc = build.RocmToolchain(Path("/opt/rocm/bin/hipcc"), "hipcc", Path("/opt/rocm"), "6.4.0")
     cmd = build.compile_command(tc, "kvio_rocm.hip", "out.so", "gfx942:sramecc+:xnack-")
     assert cmd == ["/opt/rocm/bin/hipcc", "-O3", "-std=c++17", "-fPIC", "-shared",
-                   "-fvisibility=hidden", "--offload-arch=gfx942", "-o", "out.so",
-                   "kvio_rocm.hip", "-ldl"]
+                   "-fvisibility=hidden", f"-I{INCLUDE_DIR}", "--offload-arch=gfx942", "-o",
+                   "out.so", "kvio_rocm.hip", "-ldl"]
 
 
 def test_compile_command_clang() -> None:
@@ -252,7 +254,7 @@ def test_compile_command_clang() -> None:
                              "7.1.0")
     cmd = build.compile_command(tc, "kvio_rocm.hip", "out.so", "gfx950")
     assert cmd == ["/opt/rocm/llvm/bin/clang++", "-x", "hip", "-O3", "-std=c++17", "-fPIC",
-                   "-shared", "-fvisibility=hidden", "--offload-arch=gfx950",
+                   "-shared", "-fvisibility=hidden", f"-I{INCLUDE_DIR}", "--offload-arch=gfx950",
                    "--rocm-path=/opt/rocm", "-o", "out.so", "kvio_rocm.hip", "-x", "none",
                    "-L/opt/rocm/lib", "-Wl,-rpath,/opt/rocm/lib", "-lamdhip64", "-ldl"]
 
@@ -265,8 +267,10 @@ def test_compile_command_refuses_bad_arch() -> None:
 
 def test_library_sources_exclude_fixtures() -> None:
     digest = build.source_digest()
-    assert digest == build.source_digest(("kvio_rocm.hip", "kvio_device.h", "kvio_index.h",
-                                          "kvio_abi.h"))
+    assert digest == build.source_digest(("kvio_rocm.hip", "kvio_device.h", "kvio_index.h"))
+    # kvcore's ABI header counts: the library is rebuilt when the ABI changes
+    assert digest == files_digest([build.CSRC / n for n in ("kvio_device.h", "kvio_index.h",
+                                                            "kvio_rocm.hip")] + [ABI_HEADER])
     assert (build.CSRC / "broken_scalar.hip").is_file()
     assert build.source_digest(("broken_scalar.hip",)) != digest
 

@@ -36,6 +36,7 @@ from kvcore.buildcache import (
     verify_entry,
 )
 from kvcore.errors import BuildError
+from kvcore.native_abi import ABI_HEADER, INCLUDE_DIR
 
 __all__ = [
     "MIN_NVCC",
@@ -224,8 +225,9 @@ def arch_flags(major: int, minor: int, nvcc_version: tuple[int, ...] | None = No
 
 
 def source_files() -> list[Path]:
-    """The sources the library is built from (the .cu and any headers next to it)."""
-    return sorted(p for p in CSRC.iterdir() if p.suffix in (".cu", ".cuh", ".h"))
+    """The sources the library is built from: the .cu and any headers next to it, and
+    kvcore's ABI header."""
+    return [*sorted(p for p in CSRC.iterdir() if p.suffix in (".cu", ".cuh", ".h")), ABI_HEADER]
 
 
 def _sources_digest() -> str:
@@ -316,7 +318,7 @@ def compile_command(nvcc: Path | str, source: Path | str, out: Path | str, major
            "-Xcompiler", "-fvisibility=hidden", "-lineinfo", *link, *arch, *defines]
     if verbose_ptxas:
         cmd += ["-Xptxas", "-v"]
-    cmd += ["-o", str(out), str(source), "-ldl"]
+    cmd += [f"-I{INCLUDE_DIR}", "-o", str(out), str(source), "-ldl"]
     if cudart is not None:
         cmd += [f"-L{cudart.parent}", "-Xlinker", f"-l:{cudart.name}"]
     if rpath is not None:

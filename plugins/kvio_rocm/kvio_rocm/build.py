@@ -20,6 +20,7 @@ from pathlib import Path
 
 from kvcore.buildcache import files_digest, missing_executable, run_compiler
 from kvcore.errors import BuildError
+from kvcore.native_abi import ABI_HEADER, INCLUDE_DIR
 
 __all__ = [
     "CSRC",
@@ -48,7 +49,7 @@ EMULATED_NAME = "libkvio_rocm_emul.so"
 CSRC = Path(__file__).resolve().parent / "csrc"
 HOST_SOURCE = CSRC / "kvio_rocm.hip"
 #: sources of the real library (the broken_* codegen fixtures are not part of it)
-_LIBRARY_SOURCES = ("kvio_abi.h", "kvio_index.h", "kvio_device.h", "kvio_rocm.hip")
+_LIBRARY_SOURCES = ("kvio_index.h", "kvio_device.h", "kvio_rocm.hip")
 _EMULATED_SOURCES = (*_LIBRARY_SOURCES, "kvio_emul.h")
 
 _GFX_RE = re.compile(r"^gfx[0-9a-f]{3,4}$")
@@ -214,13 +215,14 @@ def compile_command(tc: RocmToolchain, source: Path | str, out: Path | str, arch
                     extra: Sequence[str] = ()) -> list[str]:
     """The command line building ``source`` into the shared library ``out`` for ``arch``.
 
-    -O3, C++17, position independent, hidden symbols except the C ABI, exactly one offload
-    target, libamdhip64 (hipcc adds it itself; for clang it is named with an rpath to the
-    ROCm installation) and libdl (dladdr/dlsym for hipMemcpyBatchAsync).
+    -O3, C++17, position independent, hidden symbols except the C ABI, kvcore's ABI header
+    on the include path, exactly one offload target, libamdhip64 (hipcc adds it itself; for
+    clang it is named with an rpath to the ROCm installation) and libdl (dladdr/dlsym for
+    hipMemcpyBatchAsync).
     """
     arch = parse_gcn_arch(arch)
     common = ["-O3", "-std=c++17", "-fPIC", "-shared", "-fvisibility=hidden",
-              f"--offload-arch={arch}", *extra]
+              f"-I{INCLUDE_DIR}", f"--offload-arch={arch}", *extra]
     if tc.kind == "hipcc":
         return [str(tc.compiler), *common, "-o", str(out), str(source), "-ldl"]
     cmd = [str(tc.compiler), "-x", "hip", *common]
@@ -235,8 +237,9 @@ def compile_command(tc: RocmToolchain, source: Path | str, out: Path | str, arch
 
 
 def source_digest(names: Sequence[str] = _LIBRARY_SOURCES) -> str:
-    """sha256 over the named files of ``csrc/`` (names and contents)."""
-    return files_digest([CSRC / name for name in sorted(names)])
+    """sha256 over the named files of ``csrc/`` and kvcore's ABI header (names and
+    contents)."""
+    return files_digest([CSRC / name for name in sorted(names)] + [ABI_HEADER])
 
 
 def build_library(arch: str | None = None, cache_dir: Path | None = None,
@@ -287,7 +290,7 @@ def find_emulation_compiler(env: Mapping[str, str] | None = None) -> Path:
 def emulated_compile_command(cxx: Path | str, out: Path | str) -> list[str]:
     """The command line of the CPU emulation library (same source, -DKVIO_EMULATE)."""
     return [str(cxx), "-x", "c++", "-std=c++17", "-O2", "-g", "-fPIC", "-shared",
-            "-fvisibility=hidden", "-DKVIO_EMULATE", "-Wall", "-Wextra",
+            "-fvisibility=hidden", f"-I{INCLUDE_DIR}", "-DKVIO_EMULATE", "-Wall", "-Wextra",
             "-Wno-unknown-pragmas", "-o", str(out), str(HOST_SOURCE), "-ldl"]
 
 

@@ -32,42 +32,11 @@
 #include <mutex>
 #include <vector>
 
+// The ABI's structs and prototypes come from kvcore's kvio_abi.h (built with
+// -I kvcore.native_abi.INCLUDE_DIR). KVIO_API carries extern "C" here, so a definition below
+// that does not match its prototype fails to compile instead of exporting a C++ overload.
 #define KVIO_API extern "C" __attribute__((visibility("default")))
-
-extern "C" {
-typedef struct kvio_layout {
-    int64_t kv_stride;     /* bytes */
-    int64_t layer_stride;  /* bytes */
-    int64_t page_stride;   /* bytes */
-    int64_t token_stride;  /* bytes, between tokens of one page */
-    int64_t chunk_stride;  /* bytes, between chunks of one element (page_head: heads) */
-    int64_t page_size;     /* tokens per page */
-    int64_t chunk_bytes;   /* contiguous bytes of one chunk */
-    int64_t num_chunks;    /* chunks per element */
-} kvio_layout;
-
-/* ABI v2: where the kernels record an out-of-range device-resident index. In pinned host
-   memory; stored to with plain system-scope stores (value, then epoch), read by Python after
-   the transfer's stream event has completed. */
-typedef struct kvio_report {
-    uint64_t host_epoch;   /* set to bounds->epoch on a bad host index */
-    int64_t host_value;    /* one bad host index value */
-    uint64_t device_epoch; /* set to bounds->epoch on a bad device index */
-    int64_t device_value;  /* one bad device index value */
-} kvio_report;
-
-/* Passed by pointer; read during the call only (the kernels get copies of its values). */
-typedef struct kvio_bounds {
-    int64_t host_tokens;   /* valid host indices are [0, host_tokens) */
-    int64_t device_tokens; /* valid device indices are [0, device_tokens) */
-    kvio_report* report;   /* where a violation is recorded (never NULL in v2) */
-    uint64_t epoch;        /* stored into *_epoch on a violation */
-} kvio_bounds;
-}
-
-static_assert(sizeof(kvio_layout) == 64, "kvio_layout must be 8 int64 fields");
-static_assert(sizeof(kvio_report) == 32, "kvio_report must be 32 bytes");
-static_assert(sizeof(kvio_bounds) == 32, "kvio_bounds must be 32 bytes");
+#include "kvio_abi.h"
 
 #define KVIO_CHECK(expr)                          \
     do {                                          \
@@ -98,7 +67,7 @@ static_assert(KVIO_BLOCKS_PER_SM >= 1 && KVIO_BLOCKS_PER_SM <= 8,
 
 namespace {
 
-constexpr int kAbiVersion = 2;
+constexpr int kAbiVersion = KVIO_ABI_VERSION;
 constexpr int kThreads = 256;      // threads per block
 constexpr int kUnroll = KVIO_UNROLL;  // vectors in flight per thread (loads before stores)
 constexpr int kBlocksPerSm = KVIO_BLOCKS_PER_SM;  // default 4: 1024 threads, <= 64 regs each

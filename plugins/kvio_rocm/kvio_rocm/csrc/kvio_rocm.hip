@@ -6,6 +6,7 @@
 // stand-in for the handful of HIP calls used here, so the launcher logic (alignment and order
 // choice, launch splitting, staging chunks, run merging, batched-memcpy lookup, error codes)
 // is tested on machines without a GPU.
+// The ABI's structs and prototypes: kvcore's kvio_abi.h (-I kvcore.native_abi.INCLUDE_DIR).
 #include "kvio_abi.h"
 
 #if defined(KVIO_EMULATE)
