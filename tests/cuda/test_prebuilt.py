@@ -351,3 +351,19 @@ def test_a_prebuilt_compile_runs_in_its_own_temp_folder_and_is_tried_once_more(
     nvcc.write_text(real.replace('out=""', 'exit 3\nout=""'))  # fails every time
     with pytest.raises(BuildError, match="exit 3"):
         build.build_prebuilt(tmp_path / "out", [build.nvcc_at(nvcc)], log=False)
+
+
+def test_a_library_built_here_follows_kvcores_abi_header_and_a_prebuilt_one_does_not(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvcore.native_abi import ABI_HEADER
+
+    header = tmp_path / "kvio_abi.h"
+    header.write_bytes(ABI_HEADER.read_bytes())
+    monkeypatch.setattr(build, "ABI_HEADER", header)
+    nvcc = build.nvcc_at(fake_nvcc(tmp_path / "13.0" / "nvcc", "13.0", "sm_90"))
+    before = build._cache_key(nvcc, 9, 0, None, ())
+    prebuilt_sources = build._sources_digest()
+    header.write_text(header.read_text() + "/* a comment */\n")
+    assert build._cache_key(nvcc, 9, 0, None, ()) != before  # the cached build is redone
+    assert build._sources_digest() == prebuilt_sources  # the wheel's library still serves
+    assert ABI_HEADER not in build.source_files()

@@ -225,9 +225,11 @@ def arch_flags(major: int, minor: int, nvcc_version: tuple[int, ...] | None = No
 
 
 def source_files() -> list[Path]:
-    """The sources the library is built from: the .cu and any headers next to it, and
-    kvcore's ABI header."""
-    return [*sorted(p for p in CSRC.iterdir() if p.suffix in (".cu", ".cuh", ".h")), ABI_HEADER]
+    """The plugin's own sources of the library (the .cu and any headers next to it): what a
+    prebuilt library's manifest records. kvcore's ABI header is left out there, so that a
+    kvcore release touching only the header's comments does not make every prebuilt library
+    stale; a change of the ABI itself changes ABI_VERSION, which loading checks."""
+    return sorted(p for p in CSRC.iterdir() if p.suffix in (".cu", ".cuh", ".h"))
 
 
 def _sources_digest() -> str:
@@ -330,6 +332,7 @@ def _cache_key(nvcc: Nvcc, major: int, minor: int, rpath: Path | None,
                defines: Sequence[str]) -> dict[str, str]:
     return {
         "sources": _sources_digest(),
+        "abi_header": files_digest([ABI_HEADER]),  # a library built here follows the header
         "arch": arch_name(major, minor),
         "nvcc": ".".join(map(str, nvcc.version)),
         "command": " ".join(compile_command(nvcc.path, "SOURCE", "OUT", major, minor,
