@@ -120,14 +120,11 @@ class NativeBackend:
         #: its method where the library offers that (on every ``wait_layer``; ctypes passes
         #: a raw handle of 0 as NULL, the legacy default stream)
         self.wait_signal: Callable[[int, int, int], None] = (
-            library.unchecked("kvio_wait_layer_signal")
-            if hasattr(library, "unchecked")
-            and "kvio_wait_layer_signal" in getattr(library, "optional", ())
-            else library.wait_layer_signal)
+            self.optional_unchecked("kvio_wait_layer_signal") or library.wait_layer_signal)
         self._current_wait: Callable[[int, int], None] | None = None
-        if hasattr(library, "unchecked") and "kvio_copy_to_device" in getattr(
-                library, "optional", ()):
-            copy, raw = library.unchecked("kvio_copy_to_device"), self.raw_stream
+        copy = self.optional_unchecked("kvio_copy_to_device")
+        if copy is not None:
+            raw = self.raw_stream
 
             def upload_indices(dst: int, src: int, nbytes: int, stream: Any) -> None:
                 copy(dst, src, nbytes, raw(stream) or None)
@@ -135,6 +132,16 @@ class NativeBackend:
             #: the index ring's upload through the library (kvcore.placement.Upload): one
             #: runtime call instead of torch's copy dispatch and a stream switch
             self.upload_indices = upload_indices
+
+    def optional_unchecked(self, function: str, last: Callable[[], Any] | None = None,
+                           ) -> Callable[..., None] | None:
+        """The library's optional ``function`` without per-call checks
+        (:meth:`~kvcore.native_abi.NativeLibrary.unchecked`, ``last`` passed on where given),
+        or None where the library does not export it or offers no unchecked calls."""
+        lib = self.lib
+        if not (hasattr(lib, "unchecked") and function in getattr(lib, "optional", ())):
+            return None
+        return lib.unchecked(function) if last is None else lib.unchecked(function, last=last)
 
     def raw_stream(self, stream: Any) -> int:
         """The runtime's handle of a torch stream (0: the legacy default stream)."""
@@ -149,18 +156,15 @@ class NativeBackend:
         """``wait(flag, epoch)``: :attr:`wait_signal` on the device's current stream, as one
         call (made once; it runs on every ``wait_layer``)."""
         if self._current_wait is None:
-            lib = self.lib
-            if hasattr(lib, "unchecked") and "kvio_wait_layer_signal" in getattr(
-                    lib, "optional", ()):
-                self._current_wait = lib.unchecked("kvio_wait_layer_signal",
-                                                   last=self.current_raw_stream)
-            else:
-                wait, current = self.wait_signal, self.current_raw_stream
+            self._current_wait = self.optional_unchecked("kvio_wait_layer_signal",
+                                                         last=self.current_raw_stream)
+        if self._current_wait is None:
+            wait, current = self.wait_signal, self.current_raw_stream
 
-                def wait_current(flag: int, epoch: int) -> None:
-                    wait(flag, epoch, current())
+            def wait_current(flag: int, epoch: int) -> None:
+                wait(flag, epoch, current())
 
-                self._current_wait = wait_current
+            self._current_wait = wait_current
         return self._current_wait
 
     def stream_handle(self, stream: Any) -> int:
@@ -264,9 +268,7 @@ class NativeBackend:
             return job_runner(self.run, job)  # refused, or one copy-engine call per layer
         direction = DEVICE_TO_HOST if op is Op.WRITE_BACK else HOST_TO_DEVICE
         plain = unchecked("kvio_transfer_direct")
-        chained_fn = (unchecked("kvio_transfer_direct_chained")
-                      if "kvio_transfer_direct_chained" in getattr(self.lib, "optional", ())
-                      else plain)
+        chained_fn = self.optional_unchecked("kvio_transfer_direct_chained") or plain
 
         def run_direct(h: torch.Tensor, d: torch.Tensor, layer: int | None, stream: Any,
                        chained: bool) -> BoundsCompletion:
@@ -281,8 +283,7 @@ class NativeBackend:
         if not (op is Op.LOAD_LAYER and job.support.layer_signals):
             return run_direct
         by_layer = job_runner(self.run, job)
-        signaled = unchecked("kvio_load_layers_signaled") \
-            if "kvio_load_layers_signaled" in getattr(self.lib, "optional", ()) else None
+        signaled = self.optional_unchecked("kvio_load_layers_signaled")
 
         def run_signaled(h: torch.Tensor, d: torch.Tensor, layer: int | None, stream: Any,
                          chained: bool) -> BoundsCompletion | LayerSignals:
