@@ -676,38 +676,32 @@ cudaError_t device_info(int device, DeviceInfo* out) {
     return cudaSuccess;
 }
 
-// The internal copy stream of a device, created once (the device must be current) and kept
-// for the life of the process.
-cudaError_t side_stream(int device, cudaStream_t* out) {
+// The stream of `device` in `streams`, created on first use (the device must be current)
+// under the mutex and kept for the life of the process.
+cudaError_t lazy_stream(cudaStream_t (&streams)[kMaxDevices], int device, cudaStream_t* out) {
     if (device < 0 || device >= kMaxDevices) {
         return cudaErrorInvalidDevice;
     }
     std::lock_guard<std::mutex> lock(g_mutex);
-    if (g_side_stream[device] == nullptr) {
+    if (streams[device] == nullptr) {
         cudaStream_t s = nullptr;
         KVIO_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-        g_side_stream[device] = s;
+        streams[device] = s;
     }
-    *out = g_side_stream[device];
+    *out = streams[device];
     return cudaSuccess;
 }
 
+// The internal copy stream of a device (the staged pipeline's side stream).
+cudaError_t side_stream(int device, cudaStream_t* out) {
+    return lazy_stream(g_side_stream, device, out);
+}
+
 // The internal stream of a device for per-layer DMA loads issued on the legacy default
-// stream (kvio_load_layer_dma), created once under the mutex and kept for the life of the
-// process. Separate from the staged pipeline's side stream, so a staged transfer in flight on
-// another stream never delays a per-layer load.
+// stream (kvio_load_layer_dma). Separate from the staged pipeline's side stream, so a staged
+// transfer in flight on another stream never delays a per-layer load.
 cudaError_t dma_stream(int device, cudaStream_t* out) {
-    if (device < 0 || device >= kMaxDevices) {
-        return cudaErrorInvalidDevice;
-    }
-    std::lock_guard<std::mutex> lock(g_mutex);
-    if (g_dma_stream[device] == nullptr) {
-        cudaStream_t s = nullptr;
-        KVIO_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-        g_dma_stream[device] = s;
-    }
-    *out = g_dma_stream[device];
-    return cudaSuccess;
+    return lazy_stream(g_dma_stream, device, out);
 }
 
 // -------- cudaMemcpyBatchAsync, resolved at run time from the cudart we are linked to ------
