@@ -265,23 +265,29 @@ class HiCacheController:
 
     def _submit(self, op: Op, stream: Any, h: torch.Tensor, d: torch.Tensor,
                 ) -> list[Submission]:
-        """Order ``stream`` after the caller's stream, then submit ``op`` for every
-        pool-group member (indices already checked). Each member's bound plan decides how
+        """Submit ``op`` for every pool-group member on ``stream``, ordered after the
+        caller's stream (indices already checked). Each member's bound plan decides how
         its layers go (one job, layer by layer, or signaled)."""
+        caller = None
         if stream is not None:
-            self._fence.order(stream, current_stream(self.device))
+            caller = current_stream(self.device)
             # the index tensors were made on the caller's stream and are used on ours
             for t in (h, d):
-                if t.device.type != "cpu":
+                if not t.is_cpu:
                     t.record_stream(stream)
         members = range(len(self.members))
         if op is not Op.LOAD_LAYER or len(self.members) == 1:
-            return [self.bound[(i, op)].submit(h, d, stream=stream, check=False)
+            # the first member's submit orders our stream after the caller's (after its
+            # index upload); the others follow it on our stream
+            return [self.bound[(i, op)].submit(h, d, stream=stream, check=False,
+                                               after=None if i else caller)
                     for i in members]
         # a group's per-layer load goes layer by layer across members, so layer 0 of every
         # member lands first (one member's signaled job would hold back the next member's);
-        # the indices are placed once, not once per layer
+        # the indices are placed once, not once per layer, on the caller's stream, which our
+        # stream then follows (copies and all)
         placed = [self.bound[(i, op)].place(h, d) for i in members]
+        self._fence.order(stream, caller)
         return [self.bound[(i, op)].submit(*placed[i], layer=layer, stream=stream,
                                            check=False, chained=layer + i > 0)
                 for layer in range(self.members[0].host.geometry.num_layers) for i in members]

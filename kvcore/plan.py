@@ -40,7 +40,7 @@ from kvcore.errors import (
 from kvcore.layout import Kind, Layout, Op, page_block_contiguous, page_contiguous
 from kvcore.placement import IndexRing, fits, place
 from kvcore.signals import WAIT_CURRENT
-from kvcore.streams import current_stream, has_streams, on_stream, recorded_event
+from kvcore.streams import Fence, current_stream, has_streams, on_stream, recorded_event
 from kvcore.validate import check_cpu_indices, check_index_tensor, describe_tensor
 
 if TYPE_CHECKING:
@@ -247,6 +247,7 @@ class BoundPlan:
         self._ring = IndexRing(self.device, upload=getattr(self.backend, "upload_indices",
                                                            None)) \
             if has_streams(self.device) else None
+        self._fence = Fence(self.device)
 
     @property
     def context(self) -> str:
@@ -313,9 +314,15 @@ class BoundPlan:
 
     def submit(self, host_indices: torch.Tensor, device_indices: torch.Tensor, *,
                layer: int | None = None, stream: Any = None, check: bool = True,
-               host_trusted: bool = False, chained: bool = False) -> Submission:
+               host_trusted: bool = False, chained: bool = False,
+               after: Any = None) -> Submission:
         """Check, place and enqueue the operation on ``stream`` (default: the device's
         current stream); never waits for the device.
+
+        ``after``: another stream (the caller's, when ``stream`` is a transfer stream of its
+        own) whose work enqueued so far the operation must follow. The wait for it goes on
+        ``stream`` after the indices' upload, which reads only memory of this plan, so the
+        upload overlaps that work instead of adding to the time before the copy starts.
 
         For a per-layer load, ``layer`` None moves every layer: as one job where the variant
         has ``layer_signals``, else one job per layer; the returned submission can wait for
@@ -335,6 +342,8 @@ class BoundPlan:
         s = stream if stream is not None else current_stream(self.device)
         device = self.device
         if fits(h, support.host_index, device) and fits(d, support.device_index, device):
+            if after is not None:
+                self._fence.order(s, after)
             return self._enqueue(support, h, d, layer, s, chained)
         segments: list[int] = []
         sub: Submission | None = None
@@ -348,6 +357,8 @@ class BoundPlan:
                 with on_stream(s):  # copies and allocations are ordered on the stream
                     h = self._place_on_stream(h, support.host_index, segments, s)
                     d = self._place_on_stream(d, support.device_index, segments, s)
+            if after is not None:
+                self._fence.order(s, after)
             sub = self._enqueue(support, h, d, layer, s, chained)
         finally:  # the ring's slots are free once what read them (or nothing) completed
             if segments:

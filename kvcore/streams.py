@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -126,10 +127,14 @@ class Fence:
 
     def __init__(self, device: torch.device) -> None:
         self._event = new_event(device)
+        # a record and its wait go together: another thread's record between them would
+        # make the wait follow the wrong stream
+        self._lock = threading.Lock()
 
     def order(self, stream: Any, after: Any) -> None:
         """Make ``stream`` wait for everything enqueued on ``after`` until now."""
-        if self._event is None or stream is None:
+        if self._event is None or stream is None or after is stream:
             return
-        self._event.record(after)
-        stream.wait_event(self._event)
+        with self._lock:
+            self._event.record(after)
+            stream.wait_event(self._event)

@@ -100,6 +100,9 @@ call_parts)  # each piece of the submit path alone, median us
 default_stream)  # per-layer loads from layer_first on the legacy default stream
     step default_stream 120 $PY scripts/probe_default_stream.py
     ;;
+queue_gap)  # a queue of per-layer loads with parts of the path taken away (scripts/probe_queue_gap.py)
+    step queue_gap 120 $PY scripts/probe_queue_gap.py
+    ;;
 submit_cost)  # where the CPU time of one controller call goes (cProfile)
     step submit_cost 120 $PY scripts/probe_submit_cost.py
     ;;

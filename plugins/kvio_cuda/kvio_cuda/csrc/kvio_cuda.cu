@@ -60,6 +60,11 @@
 #ifndef KVIO_DMA_BATCH
 #define KVIO_DMA_BATCH 0
 #endif
+#ifndef KVIO_PIPELINE_CHUNKS
+#define KVIO_PIPELINE_CHUNKS 4
+#endif
+static_assert(KVIO_PIPELINE_CHUNKS >= 2 && KVIO_PIPELINE_CHUNKS <= 64,
+              "KVIO_PIPELINE_CHUNKS must be in [2, 64]");
 static_assert(KVIO_UNROLL >= 1 && KVIO_UNROLL <= 16, "KVIO_UNROLL must be in [1, 16]");
 static_assert(KVIO_DMA_BATCH >= 0, "KVIO_DMA_BATCH must be >= 0");
 static_assert(KVIO_BLOCKS_PER_SM >= 1 && KVIO_BLOCKS_PER_SM <= 8,
@@ -76,7 +81,7 @@ constexpr int64_t kTile = int64_t(kThreads) * kUnroll;  // vectors per block per
 // A staged transfer that fits into the staging buffer is split into chunks (so the device
 // relayout of one chunk overlaps the DMA of the next) only above this size.
 constexpr int64_t kPipelineMinBytes = int64_t(16) << 20;
-constexpr int64_t kPipelineChunks = 4;
+constexpr int64_t kPipelineChunks = KVIO_PIPELINE_CHUNKS;  // aimed for (staging allows)
 
 enum Direction : int { kDeviceToHost = 0, kHostToDevice = 1 };
 
@@ -1128,6 +1133,24 @@ cudaError_t issue_copies(int direction, char* buf, int64_t p0, int64_t cp, int n
                      stream);
 }
 
+// The three events of this thread's pipelined staged transfers on each device, made once
+// (an event create and destroy per call cost microseconds of CPU on every large transfer) and
+// destroyed when the thread ends. Reusing them across calls is safe: a wait captures the
+// event's state when it is enqueued, so re-recording it later never changes an earlier wait.
+struct ThreadPipelineEvents {
+    cudaEvent_t events[kMaxDevices][3] = {};
+    ThreadPipelineEvents() = default;
+    ThreadPipelineEvents(const ThreadPipelineEvents&) = delete;
+    ThreadPipelineEvents& operator=(const ThreadPipelineEvents&) = delete;
+    ~ThreadPipelineEvents() {
+        for (auto& device : events) {
+            for (cudaEvent_t& e : device) {
+                if (e != nullptr) (void)cudaEventDestroy(e);
+            }
+        }
+    }
+};
+
 // Events of one pipelined staged transfer. Chunk i uses staging half i % 2 in two steps: a
 // fill (the gather of a write-back, on the caller's stream; the DMA of a load, on the side
 // stream), then a drain on the other stream (the DMA of a write-back; the scatter of a
@@ -1153,17 +1176,25 @@ class Pipeline {
                 (void)cudaEventDestroy(e);
             }
         }
-        for (cudaEvent_t e : {filled_, drained_[0], drained_[1]}) {
-            if (e != nullptr) (void)cudaEventDestroy(e);  // deferred by the runtime if pending
-        }
     }
 
-    // Creates the events. A fill on the side stream first waits for everything the caller
-    // enqueued before this call (which may still be writing the host pages it reads).
-    cudaError_t init() {
-        KVIO_CHECK(cudaEventCreateWithFlags(&filled_, cudaEventDisableTiming));
-        KVIO_CHECK(cudaEventCreateWithFlags(&drained_[0], cudaEventDisableTiming));
-        KVIO_CHECK(cudaEventCreateWithFlags(&drained_[1], cudaEventDisableTiming));
+    // Takes this thread's events of `device` (ThreadPipelineEvents). A fill on the side stream
+    // first waits for everything the caller enqueued before this call (which may still be
+    // writing the host pages it reads).
+    cudaError_t init(int device) {
+        if (device < 0 || device >= kMaxDevices) {
+            return cudaErrorInvalidDevice;
+        }
+        thread_local ThreadPipelineEvents cache;
+        cudaEvent_t* e = cache.events[device];
+        for (int i = 0; i < 3; ++i) {
+            if (e[i] == nullptr) {
+                KVIO_CHECK(cudaEventCreateWithFlags(&e[i], cudaEventDisableTiming));
+            }
+        }
+        filled_ = e[0];
+        drained_[0] = e[1];
+        drained_[1] = e[2];
         if (fill_ == side_) {
             KVIO_CHECK(cudaEventRecord(filled_, caller_));
             side_pending_ = true;
@@ -1440,7 +1471,7 @@ cudaError_t transfer_staged(int direction, const uint64_t* k_ptrs, const uint64_
     cudaStream_t side = nullptr;
     KVIO_CHECK(side_stream(guard.device(), &side));
     Pipeline pipe(s, side, /*fill_on_side=*/!to_host);
-    KVIO_CHECK(pipe.init());
+    KVIO_CHECK(pipe.init(guard.device()));
     int64_t chunk = 0;
     for (int64_t p0 = 0; p0 < num_pages; p0 += chunk_pages, ++chunk) {
         const int64_t cp = num_pages - p0 < chunk_pages ? num_pages - p0 : chunk_pages;

@@ -1,0 +1,158 @@
+"""Where a queue of per-layer loads loses time against its copies: the controller's queue
+(load() then wait_layer() of every layer, as `kvio bench --through controller` times it) next
+to the same loads with parts of the path taken away, and the library's own CPU cost per call.
+MHA, 32 layers, 8 x 128 bf16, page_first, 64-token pages. Run on a GPU machine:
+
+    python scripts/probe_queue_gap.py [--pages 1,4,16] [--calls 64]
+
+Rows (ms per call over a queue, and its ratio to one contiguous copy of the same bytes):
+  controller          load() + 32 wait_layer(), the bench's row
+  controller, 1 wait  load() + wait_layer(last): the caller's stream waits once
+  no waits            load() alone: nothing on the caller's stream, the loads follow each other
+  signaled, placed    the plan's submit on the load stream, indices placed, no fence, no waits
+  kernel time         device time of one signaled launch (events around it, median)
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from kvcore import DevicePool, HiCacheController
+from kvcore.layout import Op
+from kvcore.native_abi import NativeLibrary
+from kvcore.registry import allocate_host_pool
+
+P, L = 64, 32
+CALLS: dict[str, tuple[Any, ...]] = {}
+
+
+def spy_unchecked() -> None:
+    """Record the last arguments of every library function a prepared runner calls."""
+    original = NativeLibrary.unchecked
+
+    def unchecked(self: NativeLibrary, function: str, last: Any = None) -> Callable[..., None]:
+        call = original(self, function, last) if last is not None else original(self, function)
+
+        def recorded(*args: Any) -> None:
+            CALLS[function] = (self, args)
+            call(*args)
+        return recorded
+
+    NativeLibrary.unchecked = unchecked  # type: ignore[method-assign]
+
+
+def ceiling_ms(nbytes: int) -> float:
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    times = []
+    for _ in range(30):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        dst.copy_(src, non_blocking=True)
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def queue_ms(body: Callable[[int], None], calls: int, repeats: int = 5) -> float:
+    best = float("inf")
+    for _ in range(repeats + 1):  # the first is a warm-up
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for i in range(calls):
+            body(i)
+        torch.cuda.synchronize()
+        best = min(best, (time.perf_counter() - t0) / calls)
+    return 1e3 * best
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--pages", default="1,4,16")
+    ap.add_argument("--calls", type=int, default=64)
+    args = ap.parse_args()
+    spy_unchecked()
+    for pages in (int(p) for p in args.pages.split(",")):
+        probe(pages, max(8, args.calls // pages))
+
+
+def probe(pages: int, calls: int) -> None:
+    n = pages * P
+    dev = DevicePool.allocate("mha", L, 4 * n, 8, 128, torch.bfloat16, "cuda", P)
+    for t in dev.all_buffers():
+        t.view(torch.int16).random_(-2**15, 2**15)
+    host = allocate_host_pool("mha", "page_first", L, calls * n, 8, 128, torch.bfloat16, P,
+                              "cuda")
+    ctl = HiCacheController(dev, host)
+    sets = [(torch.randperm(4 * pages)[:pages, None] * P + torch.arange(P)).flatten()
+            .cuda() for _ in range(4)]
+    hosts = [ctl.write(sets[i % 4]).host_indices for i in range(calls)]
+    ctl.wait_acks()
+    nbytes = 2 * L * n * 8 * 128 * 2
+    ceil = ceiling_ms(nbytes)
+    rows: list[tuple[str, float]] = []
+
+    def load_waits(i: int) -> None:
+        h = ctl.load(hosts[i], sets[(i + 1) % 4])
+        for layer in range(L):
+            h.wait_layer(layer)
+
+    def load_one_wait(i: int) -> None:
+        ctl.load(hosts[i], sets[(i + 1) % 4]).wait_layer(L - 1)
+
+    def load_only(i: int) -> None:
+        ctl.load(hosts[i], sets[(i + 1) % 4])
+
+    rows.append(("controller", queue_ms(load_waits, calls)))
+    rows.append(("controller, 1 wait", queue_ms(load_one_wait, calls)))
+    rows.append(("no waits", queue_ms(load_only, calls)))
+    ll = ctl.bound[(0, Op.LOAD_LAYER)]
+    placed = [ll.place(hosts[i], sets[(i + 1) % 4]) for i in range(calls)]
+    s = ctl.load_stream
+
+    def signaled(i: int) -> None:
+        ll.submit(*placed[i], stream=s, check=False)
+
+    rows.append(("signaled, placed", queue_ms(signaled, calls)))
+    kernel = []
+    for i in range(calls):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record(s)
+        ll.submit(*placed[i], stream=s, check=False)
+        b.record(s)
+        b.synchronize()
+        kernel.append(a.elapsed_time(b))
+    rows.append(("kernel time", statistics.median(kernel)))
+    print(f"== {pages} page(s), {nbytes >> 20} MiB per call, {calls} calls, ceiling "
+          f"{ceil:.4f} ms ({ll.support.variant})")
+    for name, ms in rows:
+        print(f"  {name:22s} {ms:8.4f} ms/call  ratio {ceil / ms:.3f}")
+    # the library's own CPU time per call, with the arguments the queue passed
+    for function in ("kvio_load_layers_signaled", "kvio_copy_to_device",
+                     "kvio_write_back_staged"):
+        if function not in CALLS:
+            continue
+        lib, a = CALLS[function]
+        raw = getattr(lib._lib, function)
+        samples = []
+        for _ in range(50):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            raw(*a)
+            samples.append(time.perf_counter() - t0)
+        torch.cuda.synchronize()
+        print(f"  raw {function:30s} {1e6 * statistics.median(samples):7.2f} us CPU")
+    CALLS.clear()
+    for h in hosts:
+        ctl.free_host(h)
+
+
+if __name__ == "__main__":
+    main()
