@@ -11,8 +11,13 @@ Rows (ms per call over a queue, and its ratio to one contiguous copy of the same
   no waits            load() alone: nothing on the caller's stream, the loads follow each other
   signaled, placed    the plan's submit on the load stream, indices placed, no fence, no waits
   kernel time         device time of one signaled launch (events around it, median)
+
+Then the signaled kernel alone (library calls, indices placed) in the controller's pattern:
+the load stream waits for the caller's stream, the kernel raises its flags, the caller's
+stream waits for each layer's flag; with the flags in pinned host memory and in device memory.
 """
 
+# ruff: noqa: B023  (each closure runs inside its own loop turn)
 from __future__ import annotations
 
 import argparse
@@ -149,9 +154,57 @@ def probe(pages: int, calls: int) -> None:
             samples.append(time.perf_counter() - t0)
         torch.cuda.synchronize()
         print(f"  raw {function:30s} {1e6 * statistics.median(samples):7.2f} us CPU")
+        if function == "kvio_write_back_staged":  # one cudaMemcpyAsync per run instead
+            b = list(a)
+            b[11] = 0
+            samples = []
+            for _ in range(50):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                raw(*b)
+                samples.append(time.perf_counter() - t0)
+            print(f"  raw {function + ' (batched off)':30s} "
+                  f"{1e6 * statistics.median(samples):7.2f} us CPU")
+    flag_memory(ctl, ceil, calls)
     CALLS.clear()
     for h in hosts:
         ctl.free_host(h)
+
+
+def flag_memory(ctl: HiCacheController, ceil: float, calls: int) -> None:
+    """The controller's stream pattern around raw signaled launches, flags here or there."""
+    if "kvio_load_layers_signaled" not in CALLS or "kvio_wait_layer_signal" not in CALLS:
+        return
+    lib, a = CALLS["kvio_load_layers_signaled"]
+    launch = lib._lib.kvio_load_layers_signaled
+    wait = lib._lib.kvio_wait_layer_signal
+    load = ctl.load_stream
+    caller = torch.cuda.current_stream()
+    ls, cs = load.cuda_stream, caller.cuda_stream
+    event = torch.cuda.Event()
+    counters = torch.zeros(128, dtype=torch.int32, device="cuda")
+    for where in ("pinned", "device"):
+        flags = (torch.zeros(128, dtype=torch.int32, pin_memory=True) if where == "pinned"
+                 else torch.zeros(128, dtype=torch.int32, device="cuda"))
+        base = flags.data_ptr()
+        epoch = [0]
+
+        def one(i: int, waits: int, fence: bool) -> None:
+            epoch[0] += 1
+            e = epoch[0]
+            if fence:
+                event.record(caller)
+                load.wait_event(event)
+            args = list(a)
+            args[10], args[11], args[12], args[13] = counters.data_ptr(), base, e, ls
+            assert launch(*args) == 0
+            for layer in range(L - waits, L):
+                assert wait(base + 4 * layer, e, cs) == 0
+
+        for waits, fence in ((L, True), (1, True), (L, False), (0, True)):
+            ms = queue_ms(lambda i, w=waits, f=fence: one(i, w, f), calls)
+            print(f"  raw signaled, flags {where:6s} {waits:2d} waits, fence {fence!s:5s} "
+                  f"{ms:8.4f} ms/call  ratio {ceil / ms:.3f}")
 
 
 if __name__ == "__main__":
