@@ -82,13 +82,15 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--pages", default="1,4,16")
     ap.add_argument("--calls", type=int, default=64)
+    ap.add_argument("--rows-only", action="store_true",
+                    help="only the queue rows (no library timings, no flag experiments)")
     args = ap.parse_args()
     spy_unchecked()
     for pages in (int(p) for p in args.pages.split(",")):
-        probe(pages, max(8, args.calls // pages))
+        probe(pages, max(8, args.calls // pages), args.rows_only)
 
 
-def probe(pages: int, calls: int) -> None:
+def probe(pages: int, calls: int, rows_only: bool = False) -> None:
     n = pages * P
     dev = DevicePool.allocate("mha", L, 4 * n, 8, 128, torch.bfloat16, "cuda", P)
     for t in dev.all_buffers():
@@ -139,6 +141,10 @@ def probe(pages: int, calls: int) -> None:
           f"{ceil:.4f} ms ({ll.support.variant})")
     for name, ms in rows:
         print(f"  {name:22s} {ms:8.4f} ms/call  ratio {ceil / ms:.3f}")
+    if rows_only:
+        for h in hosts:
+            ctl.free_host(h)
+        return
     # the library's own CPU time per call, with the arguments the queue passed
     for function in ("kvio_load_layers_signaled", "kvio_copy_to_device",
                      "kvio_write_back_staged"):
@@ -165,10 +171,38 @@ def probe(pages: int, calls: int) -> None:
                 samples.append(time.perf_counter() - t0)
             print(f"  raw {function + ' (batched off)':30s} "
                   f"{1e6 * statistics.median(samples):7.2f} us CPU")
+    for function in ("kvio_load_layers_signaled", "kvio_write_back_staged"):
+        if function in CALLS:  # CPU per call, 20 calls queued behind a sleeping kernel
+            lib, a = CALLS[function]
+            raw = getattr(lib._lib, function)
+            samples = []
+            torch.cuda._sleep(5_000_000)
+            for _ in range(20):
+                t0 = time.perf_counter()
+                raw(*a)
+                samples.append(time.perf_counter() - t0)
+            torch.cuda.synchronize()
+            print(f"  raw {function:30s} {1e6 * statistics.median(samples):7.2f} us CPU "
+                  "(device busy)")
     flag_memory(ctl, ceil, calls)
     CALLS.clear()
     for h in hosts:
         ctl.free_host(h)
+
+
+def device_us(stream: Any, enqueue: Callable[[], Any]) -> float:
+    """Device time of what ``enqueue`` puts on ``stream`` (the current stream), all of it
+    queued before the device reaches it (behind a sleeping kernel), median of 20."""
+    spans = []
+    for _ in range(20):
+        t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(2_000_000)
+        t0.record(stream)
+        enqueue()
+        t1.record(stream)
+        t1.synchronize()
+        spans.append(1e3 * t0.elapsed_time(t1))
+    return statistics.median(spans)
 
 
 def flag_memory(ctl: HiCacheController, ceil: float, calls: int) -> None:
@@ -178,8 +212,19 @@ def flag_memory(ctl: HiCacheController, ceil: float, calls: int) -> None:
     lib, a = CALLS["kvio_load_layers_signaled"]
     launch = lib._lib.kvio_load_layers_signaled
     wait = lib._lib.kvio_wait_layer_signal
-    load = ctl.load_stream
-    caller = torch.cuda.current_stream()
+    default = torch.cuda.current_stream()
+    side = torch.cuda.Stream()
+    for caller, load, what in ((default, ctl.load_stream, "default caller stream"),
+                               (default, torch.cuda.Stream(priority=-1),
+                                "default caller stream, load stream of high priority"),
+                               (side, ctl.load_stream, "caller on a side stream")):
+        print(f"  -- {what}")
+        with torch.cuda.stream(caller):
+            flag_waits(load, caller, launch, wait, a, ceil, calls)
+
+
+def flag_waits(load: Any, caller: Any, launch: Any, wait: Any, a: tuple[Any, ...],
+               ceil: float, calls: int) -> None:
     ls, cs = load.cuda_stream, caller.cuda_stream
     event = torch.cuda.Event()
     counters = torch.zeros(128, dtype=torch.int32, device="cuda")
@@ -205,6 +250,32 @@ def flag_memory(ctl: HiCacheController, ceil: float, calls: int) -> None:
             ms = queue_ms(lambda i, w=waits, f=fence: one(i, w, f), calls)
             print(f"  raw signaled, flags {where:6s} {waits:2d} waits, fence {fence!s:5s} "
                   f"{ms:8.4f} ms/call  ratio {ceil / ms:.3f}")
+
+        def same_flag(i: int) -> None:  # 32 waits, all for the last layer's flag
+            epoch[0] += 1
+            e = epoch[0]
+            event.record(caller)
+            load.wait_event(event)
+            args = list(a)
+            args[10], args[11], args[12], args[13] = counters.data_ptr(), base, e, ls
+            assert launch(*args) == 0
+            for _ in range(L):
+                assert wait(base + 4 * (L - 1), e, cs) == 0
+
+        ms = queue_ms(same_flag, calls)
+        print(f"  raw signaled, flags {where:6s} 32 waits on the last flag      "
+              f"{ms:8.4f} ms/call  ratio {ceil / ms:.3f}")
+        e = epoch[0]
+        us = device_us(caller, lambda: [wait(base + 4 * la, e, cs) for la in range(L)])
+        print(f"  device time of 32 satisfied flag waits ({where}): {us:6.1f} us")
+    done = torch.cuda.Event()
+    done.record(load)
+    torch.cuda.synchronize()
+    print(f"  device time of 32 satisfied event waits: "
+          f"{device_us(caller, lambda: [caller.wait_event(done) for _ in range(L)]):6.1f} us")
+    print(f"  device time of 32 tiny kernels: "
+          f"{device_us(caller, lambda: [torch.cuda._sleep(1) for _ in range(L)]):6.1f} us")
+    print(f"  device time of nothing: {device_us(caller, lambda: None):6.1f} us")
 
 
 if __name__ == "__main__":

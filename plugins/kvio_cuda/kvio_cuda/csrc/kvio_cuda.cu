@@ -61,7 +61,7 @@
 #define KVIO_DMA_BATCH 0
 #endif
 #ifndef KVIO_PIPELINE_CHUNKS
-#define KVIO_PIPELINE_CHUNKS 4
+#define KVIO_PIPELINE_CHUNKS 2
 #endif
 static_assert(KVIO_PIPELINE_CHUNKS >= 2 && KVIO_PIPELINE_CHUNKS <= 64,
               "KVIO_PIPELINE_CHUNKS must be in [2, 64]");
