@@ -116,12 +116,12 @@ class NativeBackend:
         self._has_signals: bool | None = None
         self._report_ring: ReportRing | None = None
         self._layout_by_id: dict[int, tuple[ByteStrides, KvioLayout]] = {}
+        self._groups: dict[tuple[Any, ...], int] = {}
         #: ``wait_signal(flag, epoch, raw_stream)``: the library's wait, without the checks of
         #: its method where the library offers that (on every ``wait_layer``; ctypes passes
         #: a raw handle of 0 as NULL, the legacy default stream)
         self.wait_signal: Callable[[int, int, int], None] = (
             self.optional_unchecked("kvio_wait_layer_signal") or library.wait_layer_signal)
-        self._current_wait: Callable[[int, int], None] | None = None
         copy = self.optional_unchecked("kvio_copy_to_device")
         if copy is not None:
             raw = self.raw_stream
@@ -151,21 +151,6 @@ class NativeBackend:
         """The raw handle of the device's current stream (a subclass may look it up faster;
         this is on every ``wait_layer``)."""
         return self.raw_stream(current_stream(self.device))
-
-    def current_signal_wait(self) -> Callable[[int, int], None]:
-        """``wait(flag, epoch)``: :attr:`wait_signal` on the device's current stream, as one
-        call (made once; it runs on every ``wait_layer``)."""
-        if self._current_wait is None:
-            self._current_wait = self.optional_unchecked("kvio_wait_layer_signal",
-                                                         last=self.current_raw_stream)
-        if self._current_wait is None:
-            wait, current = self.wait_signal, self.current_raw_stream
-
-            def wait_current(flag: int, epoch: int) -> None:
-                wait(flag, epoch, current())
-
-            self._current_wait = wait_current
-        return self._current_wait
 
     def stream_handle(self, stream: Any) -> int:
         """The raw handle of ``stream``, or of the device's current stream when None."""
@@ -284,6 +269,7 @@ class NativeBackend:
             return run_direct
         by_layer = job_runner(self.run, job)
         signaled = self.optional_unchecked("kvio_load_layers_signaled")
+        groups: dict[int, int] = {}  # tokens per load -> layers that land together
 
         def run_signaled(h: torch.Tensor, d: torch.Tensor, layer: int | None, stream: Any,
                          chained: bool) -> BoundsCompletion | LayerSignals:
@@ -293,14 +279,17 @@ class NativeBackend:
                 return by_layer(h, d, layer, stream, chained)  # one launch per layer
             s = raw(stream)
             done = issue(host_tokens, device_tokens, op)
+            n = h.numel()
+            group = groups.get(n) or groups.setdefault(n, self.layer_group(
+                k_ptrs, v_ptrs, num_layers, host_base, layout, n))
             with self._signal_lock:  # epochs reach the stream in the order they are handed out
                 buf = self._signal_buffer(s, num_layers, stream)
                 epoch = buf.next_epoch()
                 signaled(k_ptrs, v_ptrs, num_layers, host_base, layout, h.data_ptr() or None,
                          1 if h.dtype is int64 else 0, d.data_ptr() or None,
-                         1 if d.dtype is int64 else 0, h.numel(), buf.counters or None,
+                         1 if d.dtype is int64 else 0, n, buf.counters or None,
                          buf.flags or None, epoch, s or None, done.bounds)
-            return NativeLayerSignals(self, buf, epoch, done)
+            return NativeLayerSignals(self, buf, epoch, done, group, num_layers)
 
         return run_signaled
 
@@ -338,6 +327,8 @@ class NativeBackend:
                 completions.append(self.run(attrs.evolve(job, layer=layer, chained=layer > 0)))
                 events.append(recorded_event(self.device, job.stream))
             return EventLayerSignals(events, [c for c in completions if c is not None])
+        group = self.layer_group(k_ptrs, v_ptrs or None, num_layers, host_base, layout,
+                                 h.numel())
         with self._signal_lock:  # epochs reach the stream in the order they are handed out
             buf = self._signal_buffer(stream, num_layers, job.stream)
             epoch = buf.next_epoch()
@@ -345,7 +336,22 @@ class NativeBackend:
                                           h.data_ptr(), is_64(h), d.data_ptr(), is_64(d),
                                           h.numel(), buf.counters, buf.flags, epoch, stream,
                                           bounds=done.bounds)
-        return NativeLayerSignals(self, buf, epoch, done)
+        return NativeLayerSignals(self, buf, epoch, done, group, num_layers)
+
+    def layer_group(self, k_ptrs: int | None, v_ptrs: int | None, num_layers: int,
+                    host_base: int | None, layout: KvioLayout, n_tokens: int) -> int:
+        """How many consecutive layers of a signaled load of these arguments land together
+        (the library's ``signaled_layer_group``; 1 where it has none): one ``wait_layer`` per
+        such group and stream is enough. Asked once per distinct arguments."""
+        key = (k_ptrs, v_ptrs, num_layers, host_base, id(layout), n_tokens)
+        group = self._groups.get(key)
+        if group is None:
+            query = getattr(self.lib, "signaled_layer_group", None)
+            group = 1 if query is None or n_tokens <= 0 else int(query(
+                k_ptrs or 0, v_ptrs, num_layers, host_base or 0, layout, n_tokens,
+                self.stream_handle(None) or None))
+            self._groups[key] = group
+        return group
 
     def _layer_signals(self) -> bool:
         """Whether the library can run a signaled load (asked once)."""
@@ -367,9 +373,10 @@ class NativeBackend:
 
 
 class SignalBuffer:
-    """The signal memory of the signaled loads of one stream: ``capacity`` tile counters in
-    device memory (zero between loads) and ``capacity`` ready flags, and the epoch the last
-    load raised them to. Loads on one stream run in order, so the flags only grow
+    """The signal memory of the signaled loads of one stream: ``capacity`` tile counters and
+    the in-order cursor in device memory (zero between loads) and ``capacity`` ready flags
+    (flag l: layers 0..l have landed), and the epoch the last load raised them to. Loads on
+    one stream run in order, so the flags only grow
     (cyclically, as the wait compares them); epoch 0 is the fresh memory's and never handed
     out first.
 
@@ -382,8 +389,9 @@ class SignalBuffer:
     def __init__(self, device: torch.device, capacity: int) -> None:
         self.capacity = capacity
         # zeroed on the current stream, which is the stream of the loads that use it (one
-        # buffer per stream): ordered before them without waiting for the device
-        self.counter_memory = torch.zeros(capacity, dtype=torch.int32, device=device)
+        # buffer per stream): ordered before them without waiting for the device; a tile
+        # counter per layer, then the cursor of the flags raised in layer order
+        self.counter_memory = torch.zeros(capacity + 1, dtype=torch.int32, device=device)
         self.flag_memory = torch.zeros(capacity, dtype=torch.int32,
                                        pin_memory=has_streams(device))
         self.counters = self.counter_memory.data_ptr()
@@ -403,30 +411,46 @@ class SignalBuffer:
 
 
 class NativeLayerSignals:
-    """The LayerSignals of one signaled load: layer l has landed once flag l reaches
-    ``epoch``. A wait for a layer the host already sees landed returns at once; any other is
-    a stream-side wait on the flag (no host round trip either way)."""
+    """The LayerSignals of one signaled load: flag l reaches ``epoch`` once layers 0..l have
+    landed (the library raises the flags in layer order). The layers land ``group`` at a time
+    (one wave of the kernel's grid), so a wait for layer i waits for the flag of the last
+    layer of i's group, and only where no wait already enqueued on the same stream covers
+    layer i: a stream-side wait costs the waiting stream a microsecond or two of device time
+    even once its flag is up. A wait for a layer the host already sees landed enqueues
+    nothing."""
 
     def __init__(self, backend: NativeBackend, buffer: SignalBuffer, epoch: int,
-                 done: BoundsCompletion) -> None:
+                 done: BoundsCompletion, group: int = 1, num_layers: int | None = None,
+                 ) -> None:
         self._wait: Callable[[int, int, int], None] = backend.wait_signal
         self._raw_stream = backend.raw_stream
-        self._wait_current = backend.current_signal_wait()
+        self._current_raw = backend.current_raw_stream
         self._buffer = buffer  # keeps the flags alive while a wait may be enqueued
         self._landed = buffer.landed
         self._flags = buffer.flags
         self._done = done
         self.epoch = epoch
+        self.group = max(1, group)
+        self._last = (num_layers if num_layers is not None else buffer.capacity) - 1
+        self._covered: dict[int, int] = {}  # raw stream -> the last layer its waits cover
 
     def wait_layer(self, layer: int, stream: Any) -> None:
         if not self._buffer.has_landed(layer, self.epoch):
-            self._wait(self._flags + 4 * layer, self.epoch, self._raw_stream(stream))
+            self._enqueue(layer, self._raw_stream(stream))
 
     def wait_layer_current(self, layer: int) -> None:
         """:meth:`wait_layer` on the device's current stream."""
         # has_landed inlined: this runs once per layer per load
         if (int(self._landed[layer]) - self.epoch) & 0xFFFFFFFF >= 0x80000000:
-            self._wait_current(self._flags + 4 * layer, self.epoch)
+            self._enqueue(layer, self._current_raw())
+
+    def _enqueue(self, layer: int, raw: int) -> None:
+        if self._covered.get(raw, -1) >= layer:
+            return  # the stream already waits for this layer's group or a later one
+        g = self.group
+        target = min(layer - layer % g + g - 1, self._last)
+        self._wait(self._flags + 4 * target, self.epoch, raw)
+        self._covered[raw] = target
 
     def check(self) -> None:
         self._done.check()

@@ -24,7 +24,7 @@ __all__ = ["ABI_HEADER", "ABI_VERSION", "INCLUDE_DIR", "REPORT_BYTES", "KvioBoun
            "make_bounds", "make_layout", "unchecked_bounds"]
 
 #: the ABI version this binding speaks (kvio_abi_version() must return it)
-ABI_VERSION = 2
+ABI_VERSION = 3
 
 #: the folder holding ``kvio_abi.h``, the ABI's C header (structs and prototypes): what a
 #: native library builds against (``-I``); this module mirrors it for ctypes
@@ -259,7 +259,7 @@ OPTIONAL_PROTOTYPES: dict[str, tuple[Any, tuple[Any, ...]]] = {
         _c.c_void_p,    # dev_idx
         _c.c_int,       # dev_idx_64
         _c.c_int64,     # n_tokens
-        _c.c_void_p,    # counters (uint32 x num_layers, device, zero between calls)
+        _c.c_void_p,    # counters (uint32 x (num_layers + 1), device, zero between calls)
         _c.c_void_p,    # flags (uint32 x num_layers, device memory or pinned host memory)
         _c.c_uint32,    # epoch
         _c.c_void_p,    # stream
@@ -269,6 +269,17 @@ OPTIONAL_PROTOTYPES: dict[str, tuple[Any, tuple[Any, ...]]] = {
         _c.c_void_p,    # flag (device-visible address of one uint32)
         _c.c_uint32,    # epoch
         _c.c_void_p,    # stream
+    )),
+    # how many consecutive layers of a signaled load land together (one wave of its grid)
+    "kvio_signaled_layer_group": (_c.c_int, (
+        _c.c_void_p,    # k_ptrs
+        _c.c_void_p,    # v_ptrs
+        _c.c_int32,     # num_layers
+        _c.c_void_p,    # host_base
+        KvioLayout,     # layout (by value)
+        _c.c_int64,     # n_tokens
+        _c.c_void_p,    # stream
+        _c.POINTER(_c.c_int32),  # group (out)
     )),
     # one asynchronous copy of pinned host bytes to the device, on a stream
     "kvio_copy_to_device": (_c.c_int, (
@@ -554,9 +565,10 @@ class NativeLibrary:
                              n_tokens: int, counters: int, flags: int, epoch: int,
                              stream: int | None, bounds: KvioBounds | None = None) -> None:
         """``kvio_load_layers_signaled`` (optional): a per-layer load of all ``num_layers``
-        layers in one launch, layer after layer; ``flags[l]`` (device uint32) becomes
-        ``epoch`` once layer l has landed. ``counters`` (device uint32 x num_layers) must be
-        zero and are left zero. Indices and ``bounds`` as for :meth:`transfer_direct` (a
+        layers in one launch, layer after layer; ``flags[l]`` (uint32 the device stores to)
+        becomes ``epoch`` once layers 0..l have landed. ``counters`` (device uint32 x
+        (num_layers + 1): tile counters and the in-order cursor) must be zero and are left
+        zero. Indices and ``bounds`` as for :meth:`transfer_direct` (a
         skipped vector's tile still counts: every flag is set). Raises BuildError when
         the library lacks the function, InvalidArgument before any call for an argument out
         of range, KernelError when the library returns a nonzero status.
@@ -589,6 +601,24 @@ class NativeLibrary:
         status = self._lib.kvio_wait_layer_signal(
             _ptr("flag", flag), _int("epoch", epoch, _UINT32), _ptr("stream", stream))
         self.check("kvio_wait_layer_signal", status)
+
+    def signaled_layer_group(self, k_ptrs: int, v_ptrs: int | None, num_layers: int,
+                             host_base: int, layout: KvioLayout | Mapping[str, int],
+                             n_tokens: int, stream: int | None) -> int:
+        """``kvio_signaled_layer_group`` (optional): how many consecutive layers of
+        :meth:`load_layers_signaled` with these arguments land together (1 to
+        ``num_layers``); 1 where the library does not export it. Raises as
+        :meth:`load_layers_signaled`."""
+        if "kvio_signaled_layer_group" not in self.optional:
+            return 1
+        group = ctypes.c_int32(0)
+        status = self._lib.kvio_signaled_layer_group(
+            _ptr("k_ptrs", k_ptrs), _ptr("v_ptrs", v_ptrs),
+            _int("num_layers", num_layers, _INT32), _ptr("host_base", host_base),
+            make_layout(layout), _int("n_tokens", n_tokens, _INT64), _ptr("stream", stream),
+            ctypes.byref(group))
+        self.check("kvio_signaled_layer_group", status)
+        return max(1, min(int(group.value), num_layers))
 
     def _require_signals(self) -> None:
         if missing := sorted(LAYER_SIGNAL_FUNCTIONS - self.optional):

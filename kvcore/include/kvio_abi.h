@@ -13,7 +13,7 @@
 
 #include <stdint.h>
 
-#define KVIO_ABI_VERSION 2
+#define KVIO_ABI_VERSION 3
 
 /* A library may define KVIO_API before including this header (kvio_cuda: with extern "C",
  * so that a definition that does not match its prototype fails to compile). */
@@ -119,6 +119,9 @@ KVIO_API int kvio_load_layers_signaled(const uint64_t* k_ptrs, const uint64_t* v
                                        uint32_t* counters, uint32_t* flags, uint32_t epoch,
                                        void* stream, const kvio_bounds* bounds);
 KVIO_API int kvio_wait_layer_signal(const uint32_t* flag, uint32_t epoch, void* stream);
+KVIO_API int kvio_signaled_layer_group(const uint64_t* k_ptrs, const uint64_t* v_ptrs,
+                                       int32_t num_layers, void* host_base, kvio_layout layout,
+                                       int64_t n_tokens, void* stream, int32_t* group);
 
 KVIO_API int kvio_copy_to_device(void* dst, const void* src, int64_t nbytes, void* stream);
 

@@ -13,6 +13,7 @@ import pytest
 from kvcore import native_abi
 from kvcore.errors import BuildError, InvalidArgument, KernelError
 from kvcore.native_abi import (
+    ABI_VERSION,
     PROTOTYPES,
     KvioBounds,
     KvioReport,
@@ -26,7 +27,7 @@ def stand_in(status: int = 0, **drop: bool) -> types.SimpleNamespace:
     """A Python object with the ABI's functions; ``drop`` leaves some out."""
     calls: list[tuple[Any, ...]] = []
     impl = {
-        "kvio_abi_version": lambda: 2,
+        "kvio_abi_version": lambda: ABI_VERSION,
         "kvio_error_string": lambda code: b"out of memory" if code.value == 2 else None,
         "kvio_has_batched_memcpy": lambda: 0,
         "kvio_transfer_direct": lambda *args: calls.append(args) or status,

@@ -60,6 +60,19 @@ class CpuNative(NativeBackend):
         return 0
 
 
+class StreamsNative(NativeBackend):
+    """Stands for a backend with streams: "other" is raw stream 11, the current one
+    ``current``."""
+
+    current = 0
+
+    def raw_stream(self, stream: Any) -> int:
+        return {None: 0, "other": 11}[stream]
+
+    def current_raw_stream(self) -> int:
+        return self.current
+
+
 def _setup(layout: str, signals: bool = True,
            ) -> tuple[CpuNative, RecordingLibrary, DevicePool, HostPool]:
     lib = RecordingLibrary(signals)
@@ -70,10 +83,10 @@ def _setup(layout: str, signals: bool = True,
     return backend, lib, dev, host
 
 
-def _shape(layout: str) -> tuple[int, ...]:
+def _shape(layout: str, num_layers: int = 3) -> tuple[int, ...]:
     from kvcore.layout import Geometry, host_shape
 
-    return host_shape(Geometry(Kind.MHA, Layout(layout), 3, 64, 2, 64, 16))
+    return host_shape(Geometry(Kind.MHA, Layout(layout), num_layers, 64, 2, 64, 16))
 
 
 def _job(dev: DevicePool, host: HostPool, op: Op, variant: str, layer: int | None = None,
@@ -318,8 +331,9 @@ def test_a_signaled_load_of_every_layer_is_one_library_call_with_the_streams_sig
     buf = backend._signal_buffer(0, 3)
     assert (counters, flags) == (buf.counters, buf.flags)
     assert buf.capacity >= 3
-    for memory in (buf.counter_memory, buf.flag_memory):
-        assert memory.dtype == torch.int32 and memory.numel() == buf.capacity
+    for memory, size in ((buf.counter_memory, buf.capacity + 1),  # and the in-order cursor
+                         (buf.flag_memory, buf.capacity)):
+        assert memory.dtype == torch.int32 and memory.numel() == size
         assert not memory.any()  # fresh: all zero
     # the same stream, the same memory; every load raises the flags to a new epoch
     assert a2[10:12] == (counters, flags) and (epoch, a2[12]) == (1, 2)
@@ -340,10 +354,72 @@ def test_a_wait_for_a_layer_the_host_sees_landed_enqueues_nothing() -> None:
     for signals in (first, second):
         for layer in range(3):
             signals.wait_layer(layer, None)
-            signals.wait_layer_current(layer)
+            signals.wait_layer_current(layer)  # the same stream: covered by the wait above
     flags = buf.flags
-    assert lib.calls == [("wait", (flags + 8, first.epoch, 0))] * 2 + [
-        ("wait", (flags + 4, second.epoch, 0))] * 2 + [("wait", (flags + 8, second.epoch, 0))] * 2
+    assert lib.calls == [("wait", (flags + 8, first.epoch, 0)),
+                         ("wait", (flags + 4, second.epoch, 0)),
+                         ("wait", (flags + 8, second.epoch, 0))]
+
+
+class GroupingLibrary(RecordingLibrary):
+    """A library whose signaled loads land ``group`` layers at a time."""
+
+    def __init__(self, group: int) -> None:
+        super().__init__()
+        self.group = group
+
+    def signaled_layer_group(self, *args: Any) -> int:
+        self.calls.append(("group", args))
+        return self.group
+
+
+def test_a_wait_goes_to_the_last_flag_of_its_group_once_per_group_and_stream() -> None:
+    from kvcore.native import NativeLayerSignals
+
+    lib = GroupingLibrary(2)
+    backend = StreamsNative(torch.device("cpu"), lib, staging_bytes=1 << 20)  # type: ignore[arg-type]
+    dev = DevicePool.allocate("mha", 5, 64, 2, 64, torch.bfloat16, "cpu", 16)
+    host = HostPool.wrap(torch.empty(_shape("layer_first", 5), dtype=torch.bfloat16), "mha",
+                         "layer_first", 5, 2, 64, 16)
+    job = _job(dev, host, Op.LOAD_LAYER, "signaled")
+    signals = backend.run(job)
+    assert isinstance(signals, NativeLayerSignals) and signals.group == 2
+    (name, args), _ = lib.calls
+    assert name == "group" and args[2] == 5 and args[5] == 16  # layers, tokens of the load
+    lib.calls.clear()
+    flags, e = signals._flags, signals.epoch
+    backend.current = 7
+    for layer in range(5):
+        signals.wait_layer_current(layer)
+    # groups {0, 1}, {2, 3}, {4}: one wait each, on the group's last flag (the flags go up in
+    # layer order, so flag 1 means layers 0 and 1 are in)
+    assert lib.calls == [("wait", (flags + 4, e, 7)), ("wait", (flags + 12, e, 7)),
+                         ("wait", (flags + 16, e, 7))]
+    lib.calls.clear()
+    signals.wait_layer(2, "other")  # another stream waits for itself
+    signals.wait_layer(3, "other")
+    signals.wait_layer_current(0)  # stream 7 waits for layer 4 already, which covers layer 0
+    assert lib.calls == [("wait", (flags + 12, e, 11))]
+    backend.run(job)  # the same load shape asks the library once
+    assert [n for n, _ in lib.calls[1:]] == ["signaled"]
+
+
+def test_a_wait_for_a_landed_layer_is_skipped_even_where_its_group_is_not_in() -> None:
+    lib = GroupingLibrary(4)
+    backend = StreamsNative(torch.device("cpu"), lib, staging_bytes=1 << 20)  # type: ignore[arg-type]
+    dev = DevicePool.allocate("mha", 4, 64, 2, 64, torch.bfloat16, "cpu", 16)
+    host = HostPool.wrap(torch.empty(_shape("layer_first", 4), dtype=torch.bfloat16), "mha",
+                         "layer_first", 4, 2, 64, 16)
+    signals = backend.run(_job(dev, host, Op.LOAD_LAYER, "signaled"))
+    buf = backend._signal_buffer(0, 4)
+    buf.flag_memory[:2] = signals.epoch  # layers 0 and 1 are in, 2 and 3 not yet
+    lib.calls.clear()
+    backend.current = 7
+    signals.wait_layer_current(0)
+    signals.wait_layer_current(1)
+    assert lib.calls == []
+    signals.wait_layer_current(2)
+    assert lib.calls == [("wait", (buf.flags + 12, signals.epoch, 7))]
 
 
 def test_the_signal_memory_grows_for_more_layers_and_keeps_the_memory_it_outgrew() -> None:

@@ -19,6 +19,7 @@ from kvio_cuda import _native, build
 from kvcore import buildcache
 from kvcore.errors import BuildError, InvalidArgument, KernelError
 from kvcore.native_abi import (
+    ABI_VERSION,
     OPTIONAL_PROTOTYPES,
     PROTOTYPES,
     KvioBounds,
@@ -399,7 +400,7 @@ def _recording(function: str) -> Any:
 class FakeLib:
     """Stands in for the ctypes library: records calls, returns a chosen status."""
 
-    def __init__(self, status: int = 0, abi: int = 2, batched: int = 1) -> None:
+    def __init__(self, status: int = 0, abi: int = ABI_VERSION, batched: int = 1) -> None:
         self.status = status
         self.abi = abi
         self.batched = batched
@@ -454,14 +455,14 @@ def _argtypes(function: str) -> list[Any]:
 
 def test_native_queries() -> None:
     lib = _native.NativeLibrary("fake.so", lib=FakeLib(batched=1))
-    assert lib.abi_version() == 2
+    assert lib.abi_version() == ABI_VERSION
     assert lib.has_batched_memcpy() is True
     assert _native.NativeLibrary(None, lib=FakeLib(batched=0)).has_batched_memcpy() is False
     assert lib.error_string(700) == "an illegal memory access was encountered"
 
 
 def test_native_abi_mismatch() -> None:
-    with pytest.raises(BuildError, match="ABI version 1, this binding speaks version 2"):
+    with pytest.raises(BuildError, match=f"ABI version 1, this binding speaks version {ABI_VERSION}"):
         _native.NativeLibrary("fake.so", lib=FakeLib(abi=1))
 
 
@@ -688,7 +689,7 @@ def real_library(tmp_path_factory: pytest.TempPathFactory) -> _native.NativeLibr
 
 
 def test_real_library_abi_and_errors(real_library: _native.NativeLibrary) -> None:
-    assert real_library.abi_version() == 2
+    assert real_library.abi_version() == ABI_VERSION
     assert real_library.error_string(1) == "invalid argument"
     assert real_library.error_string(700) == "an illegal memory access was encountered"
     assert isinstance(real_library.has_batched_memcpy(), bool)

@@ -123,7 +123,7 @@ def test_a_signaled_load_with_an_out_of_range_index_still_raises_every_flag() ->
     good = torch.ones(h.numel(), dtype=torch.bool)
     good[j] = False
     before_k = [t.cpu() for t in rig.k]
-    counters = torch.zeros(LAYERS, dtype=torch.int32, device=DEVICE)
+    counters = torch.zeros(LAYERS + 1, dtype=torch.int32, device=DEVICE)  # and the cursor
     flags = torch.zeros(LAYERS, dtype=torch.int32, device=DEVICE)
     h_dev, d_dev = h.to(DEVICE), d.to(DEVICE)
     bounds = make_bounds(HOST_TOKENS, DEV_TOKENS, rig.report.data_ptr(), EPOCH)

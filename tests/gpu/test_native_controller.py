@@ -96,3 +96,41 @@ def test_wait_layer_orders_the_current_stream_per_layer() -> None:
     for layer in range(LAYERS):
         for kv in range(2):
             assert sums[layer][kv].item() == expected[kv][layer], (layer, kv)
+
+
+@pytest.mark.parametrize("pages", [1, 3, 13])
+def test_each_wait_layer_covers_its_layer_when_layers_land_in_groups(pages: int) -> None:
+    """The signaled load raises its flags in layer order and wait_layer waits once per group
+    of layers that land together: a consumer on the current stream right after wait_layer(i)
+    must still see layer i complete, load after load on one stream (so the in-order cursor
+    is reused), for load sizes whose waves end inside different layers."""
+    dev, host = _pools("page_first")
+    ctl = HiCacheController(dev, host)
+    assert ctl.plan(Op.LOAD_LAYER).backend_name == NATIVE
+    gen = torch.Generator().manual_seed(pages)
+
+    def checksum(t: torch.Tensor) -> torch.Tensor:
+        return t.view(torch.int16).to(torch.int64).sum()
+
+    for _ in range(3):
+        src_pages, dst_pages = torch.randperm(64, generator=gen)[:2 * pages].split(pages)
+        ramp = torch.arange(PAGE)
+        src = (src_pages[:, None] * PAGE + ramp).flatten().to(DEVICE)
+        dst = (dst_pages[:, None] * PAGE + ramp).flatten().to(DEVICE)
+        ack = ctl.write(src)
+        ctl.wait_acks()
+        expected = [[checksum(t[src]).item() for t in dev.layers(kv)] for kv in range(2)]
+        for t in dev.all_buffers():
+            t[dst] = torch.full_like(t[dst], -7.0)
+        torch.cuda.synchronize(DEVICE)
+        handle = ctl.load(ack.host_indices, dst)
+        sums = []
+        for layer in range(LAYERS):
+            handle.wait_layer(layer)
+            sums.append([checksum(dev.layers(kv)[layer][dst]) for kv in range(2)])
+        handle.wait()
+        assert [[s.item() for s in row] for row in sums] == [
+            [expected[kv][layer] for kv in range(2)] for layer in range(LAYERS)]
+        ctl.free_host(ack.host_indices)
+    signals = handle._submissions[0].completions[0]
+    assert 1 <= getattr(signals, "group", 1) <= LAYERS

@@ -36,7 +36,7 @@ from kvcore.layout import (
     split_heads,
 )
 from kvcore.native import layout_fields
-from kvcore.native_abi import KvioBounds, KvioReport, make_bounds, unchecked_bounds
+from kvcore.native_abi import ABI_VERSION, KvioBounds, KvioReport, make_bounds, unchecked_bounds
 
 POISON = 0x5A
 
@@ -452,7 +452,7 @@ def test_direct_refusals_and_no_ops(emul) -> None:
 
 def test_library_facts(emul) -> None:
     lib, _ = emul
-    assert lib.abi_version() == 2
+    assert lib.abi_version() == ABI_VERSION
     assert lib.has_batched_memcpy() is True  # found by dladdr + dlsym, like libamdhip64's
     assert lib.error_string(1) == "invalid argument"
 

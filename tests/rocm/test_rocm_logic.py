@@ -24,7 +24,7 @@ from kvcore.buildcache import files_digest
 from kvcore.errors import BuildError, InvalidArgument, KernelError
 from kvcore.layout import Geometry, Kind, Layout, byte_strides
 from kvcore.native import layout_fields
-from kvcore.native_abi import ABI_HEADER, INCLUDE_DIR
+from kvcore.native_abi import ABI_HEADER, ABI_VERSION, INCLUDE_DIR
 
 # ---------------------------------------------------------------------------- probe
 
@@ -315,7 +315,7 @@ class FakeLib:
     """An object with the library's functions, each a real ctypes function pointer (so the
     binding's argtypes marshal exactly as for the .so) that records its arguments."""
 
-    def __init__(self, status: int = 0, abi: int = 2, drop: str | None = None) -> None:
+    def __init__(self, status: int = 0, abi: int = ABI_VERSION, drop: str | None = None) -> None:
         self.calls: list[tuple[str, tuple]] = []
         self.status = status
         self._keep = []
@@ -433,13 +433,13 @@ def test_nonzero_status_becomes_kernel_error() -> None:
 
 def test_library_facts_through_the_binding() -> None:
     lib = NativeLibrary(lib=FakeLib())
-    assert lib.abi_version() == 2 and lib.has_batched_memcpy() is True
+    assert lib.abi_version() == ABI_VERSION and lib.has_batched_memcpy() is True
     assert lib.error_string(1) == "invalid argument"
 
 
 def test_abi_mismatch_and_missing_symbol_are_build_errors(tmp_path: Path) -> None:
     with pytest.raises(BuildError, match="implements native ABI version 1, this binding "
-                                         "speaks version 2"):
+                                         f"speaks version {ABI_VERSION}"):
         NativeLibrary(lib=FakeLib(abi=1))
     with pytest.raises(BuildError, match="does not export kvio_write_back_staged"):
         NativeLibrary(lib=FakeLib(drop="kvio_write_back_staged"))

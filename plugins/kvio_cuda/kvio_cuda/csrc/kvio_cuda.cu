@@ -15,7 +15,8 @@
 //   kvio_load_layer_dma     (optional) one layer by the copy engine, runs of consecutive slots.
 //   kvio_load_layers_signaled  (optional) a per-layer load of every layer in one grid, layer
 //                           after layer, each layer publishing a ready flag;
-//                           kvio_wait_layer_signal makes a stream wait for one flag.
+//                           kvio_wait_layer_signal makes a stream wait for one flag;
+//                           kvio_signaled_layer_group says how many layers land together.
 //   kvio_copy_to_device     (optional) one asynchronous copy of pinned host bytes to the
 //                           device (the index ring's upload, without torch's dispatch).
 //
@@ -437,13 +438,52 @@ __device__ __forceinline__ void fence_acq_rel_gpu() {
     asm volatile("fence.acq_rel.gpu;" ::: "memory");
 }
 
-// Signals of one signaled load: per layer a tile counter (zero between calls) and a ready
-// flag that is set to `epoch` once every tile of the layer is in the pool.
+// Signals of one signaled load: per layer a tile counter, then the in-order cursor (all zero
+// between calls), and per layer a ready flag that is set to `epoch` once every tile of the
+// layer and of every layer before it is in the pool (publish_in_order).
 struct Signals {
     uint32_t* counters;
     uint32_t* flags;
     uint32_t epoch;
 };
+
+__device__ __forceinline__ void fence_sc_gpu() { asm volatile("fence.sc.gpu;" ::: "memory"); }
+
+__device__ __forceinline__ uint32_t load_acquire_gpu(const uint32_t* p) {
+    uint32_t v;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
+// Called by the warp whose count completed a layer. Raises the flags in layer order: the
+// flag of layer c goes up once layers 0..c have all landed, so a wait for flag c covers every
+// layer before it. counters[num_layers] is the cursor, the number of flags raised so far by
+// this load. Whoever moves the cursor past a completed layer (its counter at
+// counts_per_layer) raises that layer's flag, and goes on while the next layer is complete
+// too; a layer that completes before the layers ahead of it is raised by whoever raises the
+// last of them. Nobody waits for anybody. Of two layers completing at once, at least one
+// completer sees the other's count (the SC fence between each one's count and its reads), so
+// no completed layer is left unraised. The counters and the cursor are left zero.
+__device__ void publish_in_order(const Signals& sig, uint32_t num_layers,
+                                 uint32_t counts_per_layer) {
+    uint32_t* cursor = sig.counters + num_layers;
+    fence_sc_gpu();  // this count before reading the others' counts and the cursor
+    uint32_t c = load_acquire_gpu(cursor);
+    while (c < num_layers && load_acquire_gpu(sig.counters + c) == counts_per_layer) {
+        const uint32_t seen = atomicCAS(cursor, c, c + 1);
+        if (seen != c) {  // another completer moved the cursor: go on from where it is
+            c = seen;
+            continue;
+        }
+        sig.counters[c] = 0;  // ready for the next call on this stream
+        fence_acq_rel_gpu();  // every warp's stores of layer c (seen through its count) first
+        asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(sig.flags + c), "r"(sig.epoch)
+                     : "memory");
+        if (++c == num_layers) {
+            atomicExch(cursor, 0u);  // the last flag is up: ready for the next call
+        }
+    }
+}
 
 // The signaled per-layer load (kvio_load_layers_signaled): every layer in one grid, layer
 // after layer. p describes ONE layer (its flat work is p.total vectors, layer_begin 0), so a
@@ -469,14 +509,9 @@ __device__ __forceinline__ void signaled_body(const CopyParams& p, int32_t num_l
         tile.store(p);
         fence_acq_rel_gpu();  // this thread's stores before the warp's count
         __syncwarp();
-        if ((threadIdx.x & 31) == 0) {
-            if (atomicAdd(sig.counters + layer, 1u) + 1 == counts_per_layer) {
-                fence_acq_rel_gpu();  // every other warp's stores (and counts) before the flag
-                sig.counters[layer] = 0;  // ready for the next call on this stream
-                asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(sig.flags + layer),
-                             "r"(sig.epoch)
-                             : "memory");
-            }
+        if ((threadIdx.x & 31) == 0 &&
+            atomicAdd(sig.counters + layer, 1u) + 1 == counts_per_layer) {
+            publish_in_order(sig, static_cast<uint32_t>(num_layers), counts_per_layer);
         }
     }
 }
@@ -1298,9 +1333,32 @@ cudaError_t transfer_direct(int direction, const uint64_t* k_ptrs, const uint64_
                        guard.device(), chained, s);
 }
 
+// The launch of a signaled load: vector width, tiles per layer and grid (plans `p`).
+struct SignaledGeometry {
+    int vec = 0;
+    uint64_t tiles_per_layer = 0;
+    unsigned grid = 0;
+};
+
+cudaError_t signaled_geometry(CopyParams& p, int num_kv, int64_t n_tokens, int32_t num_layers,
+                              int64_t num_chunks, int device, SignaledGeometry* out) {
+    KVIO_CHECK(plan_copy(p, num_kv, n_tokens, 1, num_chunks, &out->vec));
+    out->tiles_per_layer = (p.total + kTile - 1) / kTile;
+    uint64_t tiles = 0;
+    if (out->tiles_per_layer == 0 ||
+        !mul_ok(out->tiles_per_layer, static_cast<uint64_t>(num_layers), &tiles) ||
+        out->tiles_per_layer > UINT32_MAX / (kThreads / 32)) {  // 32-bit counts of warps
+        return cudaErrorInvalidValue;
+    }
+    DeviceInfo info;
+    KVIO_CHECK(device_info(device, &info));
+    out->grid = grid_size(info, tiles);
+    return cudaSuccess;
+}
+
 // The signaled per-layer load: all layers in one grid, layer by layer (signaled_body), on
-// `stream`. counters and flags are device arrays of num_layers each; the counters must be
-// zero (they are left zero), flags[l] becomes `epoch` when layer l has landed.
+// `stream`. counters (device, num_layers + 1: the tile counters and the cursor) must be zero
+// and are left zero; flags[l] (num_layers) becomes `epoch` once layers 0..l have landed.
 cudaError_t load_layers_signaled(const uint64_t* k_ptrs, const uint64_t* v_ptrs,
                                  int32_t num_layers, void* host_base,
                                  const kvio_layout& layout, const void* host_idx,
@@ -1325,22 +1383,36 @@ cudaError_t load_layers_signaled(const uint64_t* k_ptrs, const uint64_t* v_ptrs,
     // so every layer's flag is published even when indices are out of range.
     CopyParams p = indexed_params(k_ptrs, v_ptrs, host_base, layout, host_idx, host_idx_64,
                                   dev_idx, dev_idx_64, *bounds);
-    const int num_kv = v_ptrs != nullptr ? 2 : 1;
-    int vec = 0;
-    KVIO_CHECK(plan_copy(p, num_kv, n_tokens, 1, layout.num_chunks, &vec));
-    const uint64_t tiles_per_layer = (p.total + kTile - 1) / kTile;
-    uint64_t tiles = 0;
-    if (!mul_ok(tiles_per_layer, static_cast<uint64_t>(num_layers), &tiles) ||
-        tiles_per_layer > UINT32_MAX / (kThreads / 32)) {  // 32-bit counts of warps
+    SignaledGeometry g;
+    KVIO_CHECK(signaled_geometry(p, v_ptrs != nullptr ? 2 : 1, n_tokens, num_layers,
+                                 layout.num_chunks, guard.device(), &g));
+    const Signals sig = {counters, flags, epoch};
+    const SignaledKernel kernel = kSignaledKernels[log2_exact(g.vec)][needs_wide_index(p.total)];
+    kernel<<<g.grid, kThreads, 0, s>>>(p, num_layers, sig);
+    return cudaGetLastError();
+}
+
+// How many consecutive layers the first wave of a signaled load's grid moves (1 to
+// num_layers): its blocks take the tiles in order, so those layers land together, and so do
+// the layers of each later wave.
+cudaError_t signaled_layer_group(const uint64_t* k_ptrs, const uint64_t* v_ptrs,
+                                 int32_t num_layers, void* host_base, const kvio_layout& layout,
+                                 int64_t n_tokens, void* stream, int32_t* group) {
+    if (group == nullptr || k_ptrs == nullptr || host_base == nullptr || num_layers <= 0 ||
+        n_tokens <= 0 || !layout_ok(layout)) {
         return cudaErrorInvalidValue;
     }
-    DeviceInfo info;
-    KVIO_CHECK(device_info(guard.device(), &info));
-    const unsigned grid = grid_size(info, tiles);
-    const Signals sig = {counters, flags, epoch};
-    const SignaledKernel kernel = kSignaledKernels[log2_exact(vec)][needs_wide_index(p.total)];
-    kernel<<<grid, kThreads, 0, s>>>(p, num_layers, sig);
-    return cudaGetLastError();
+    DeviceGuard guard;
+    KVIO_CHECK(guard.enter(static_cast<cudaStream_t>(stream)));
+    const kvio_bounds unused = {};
+    CopyParams p = base_params(k_ptrs, v_ptrs, host_base, layout, unused);
+    SignaledGeometry g;
+    KVIO_CHECK(signaled_geometry(p, v_ptrs != nullptr ? 2 : 1, n_tokens, num_layers,
+                                 layout.num_chunks, guard.device(), &g));
+    const uint64_t per_wave = g.grid / g.tiles_per_layer;
+    const uint64_t layers = static_cast<uint64_t>(num_layers);
+    *group = static_cast<int32_t>(per_wave < 1 ? 1 : per_wave < layers ? per_wave : layers);
+    return cudaSuccess;
 }
 
 // The staged transfer of all layers of whole pages, either direction. Write-back: a device
@@ -1805,6 +1877,13 @@ KVIO_API int kvio_wait_layer_signal(const uint32_t* flag, uint32_t epoch, void* 
     // CUresult and cudaError_t share their codes for everything this call can return
     return fn(s, static_cast<unsigned long long>(reinterpret_cast<uintptr_t>(flag)), epoch,
               kWaitValueGeq);
+}
+
+KVIO_API int kvio_signaled_layer_group(const uint64_t* k_ptrs, const uint64_t* v_ptrs,
+                                       int32_t num_layers, void* host_base, kvio_layout layout,
+                                       int64_t n_tokens, void* stream, int32_t* group) {
+    return finish(signaled_layer_group(k_ptrs, v_ptrs, num_layers, host_base, layout, n_tokens,
+                                       stream, group));
 }
 
 KVIO_API int kvio_copy_to_device(void* dst, const void* src, int64_t nbytes, void* stream) {
