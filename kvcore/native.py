@@ -374,11 +374,10 @@ class NativeBackend:
 
 class SignalBuffer:
     """The signal memory of the signaled loads of one stream: ``capacity`` tile counters and
-    the in-order cursor in device memory (zero between loads) and ``capacity`` ready flags
-    (flag l: layers 0..l have landed), and the epoch the last load raised them to. Loads on
-    one stream run in order, so the flags only grow
-    (cyclically, as the wait compares them); epoch 0 is the fresh memory's and never handed
-    out first.
+    the in-order cursor in device memory (the library zeroes them before each load),
+    ``capacity`` ready flags (flag l: layers 0..l have landed) and the epoch the last load
+    raised them to. Loads on one stream run in order, so the flags only grow (cyclically, as
+    the wait compares them); epoch 0 is the fresh memory's and never handed out first.
 
     The flags live in pinned host memory where the device has streams: the kernels publish
     them with a system-scope store, the stream-side wait reads them where they are, and the
@@ -388,9 +387,8 @@ class SignalBuffer:
 
     def __init__(self, device: torch.device, capacity: int) -> None:
         self.capacity = capacity
-        # zeroed on the current stream, which is the stream of the loads that use it (one
-        # buffer per stream): ordered before them without waiting for the device; a tile
-        # counter per layer, then the cursor of the flags raised in layer order
+        # a tile counter per layer, then the cursor of the flags raised in layer order (the
+        # library zeroes what a load uses on its stream before the launch)
         self.counter_memory = torch.zeros(capacity + 1, dtype=torch.int32, device=device)
         self.flag_memory = torch.zeros(capacity, dtype=torch.int32,
                                        pin_memory=has_streams(device))

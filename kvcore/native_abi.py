@@ -259,7 +259,7 @@ OPTIONAL_PROTOTYPES: dict[str, tuple[Any, tuple[Any, ...]]] = {
         _c.c_void_p,    # dev_idx
         _c.c_int,       # dev_idx_64
         _c.c_int64,     # n_tokens
-        _c.c_void_p,    # counters (uint32 x (num_layers + 1), device, zero between calls)
+        _c.c_void_p,    # counters (uint32 x (num_layers + 1), device; zeroed by the call)
         _c.c_void_p,    # flags (uint32 x num_layers, device memory or pinned host memory)
         _c.c_uint32,    # epoch
         _c.c_void_p,    # stream
@@ -567,8 +567,8 @@ class NativeLibrary:
         """``kvio_load_layers_signaled`` (optional): a per-layer load of all ``num_layers``
         layers in one launch, layer after layer; ``flags[l]`` (uint32 the device stores to)
         becomes ``epoch`` once layers 0..l have landed. ``counters`` (device uint32 x
-        (num_layers + 1): tile counters and the in-order cursor) must be zero and are left
-        zero. Indices and ``bounds`` as for :meth:`transfer_direct` (a
+        (num_layers + 1): tile counters and the in-order cursor) are the library's to zero on
+        the stream before its launch. Indices and ``bounds`` as for :meth:`transfer_direct` (a
         skipped vector's tile still counts: every flag is set). Raises BuildError when
         the library lacks the function, InvalidArgument before any call for an argument out
         of range, KernelError when the library returns a nonzero status.

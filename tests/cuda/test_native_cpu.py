@@ -462,7 +462,8 @@ def test_native_queries() -> None:
 
 
 def test_native_abi_mismatch() -> None:
-    with pytest.raises(BuildError, match=f"ABI version 1, this binding speaks version {ABI_VERSION}"):
+    with pytest.raises(BuildError,
+                       match=f"ABI version 1, this binding speaks version {ABI_VERSION}"):
         _native.NativeLibrary("fake.so", lib=FakeLib(abi=1))
 
 

@@ -133,7 +133,8 @@ def test_a_signaled_load_with_an_out_of_range_index_still_raises_every_flag() ->
                              d_dev.data_ptr(), 1, h.numel(), counters.data_ptr(),
                              flags.data_ptr(), 7, stream.cuda_stream, bounds=bounds)
     stream.synchronize()
-    assert flags.tolist() == [7] * LAYERS and not counters.any()
+    assert flags.tolist() == [7] * LAYERS and not counters[:LAYERS].any()
+    assert counters[LAYERS].item() == LAYERS  # the in-order cursor: every flag raised
     hv = rig.host.view(2, LAYERS, HOST_TOKENS, ELEM)
     for layer in range(LAYERS):
         want = before_k[layer].clone()

@@ -209,7 +209,8 @@ def test_signaled_load_equals_the_reference_and_raises_every_flag(kind: str,
     buf = plan.instance()._signals[int(stream.cuda_stream)]
     assert buf.flag_memory[:LAYERS].tolist() == [signals.epoch] * LAYERS
     assert all(buf.has_landed(layer, signals.epoch) for layer in range(LAYERS))
-    assert not buf.counter_memory.any()  # the counters are zero again
+    assert not buf.counter_memory[:LAYERS].any()  # the tile counters are zero again
+    assert buf.counter_memory[LAYERS].item() == LAYERS  # the in-order cursor: every flag up
 
 
 def test_a_wait_on_a_layer_holds_its_stream_until_the_flag_is_raised() -> None:

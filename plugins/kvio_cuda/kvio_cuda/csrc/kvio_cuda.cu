@@ -438,8 +438,8 @@ __device__ __forceinline__ void fence_acq_rel_gpu() {
     asm volatile("fence.acq_rel.gpu;" ::: "memory");
 }
 
-// Signals of one signaled load: per layer a tile counter, then the in-order cursor (all zero
-// between calls), and per layer a ready flag that is set to `epoch` once every tile of the
+// Signals of one signaled load: per layer a tile counter, then the in-order cursor (zeroed
+// before each launch), and per layer a ready flag that is set to `epoch` once every tile of the
 // layer and of every layer before it is in the pool (publish_in_order).
 struct Signals {
     uint32_t* counters;
@@ -458,18 +458,26 @@ __device__ __forceinline__ uint32_t load_acquire_gpu(const uint32_t* p) {
 // Called by the warp whose count completed a layer. Raises the flags in layer order: the
 // flag of layer c goes up once layers 0..c have all landed, so a wait for flag c covers every
 // layer before it. counters[num_layers] is the cursor, the number of flags raised so far by
-// this load. Whoever moves the cursor past a completed layer (its counter at
-// counts_per_layer) raises that layer's flag, and goes on while the next layer is complete
-// too; a layer that completes before the layers ahead of it is raised by whoever raises the
-// last of them. Nobody waits for anybody. Of two layers completing at once, at least one
-// completer sees the other's count (the SC fence between each one's count and its reads), so
-// no completed layer is left unraised. The counters and the cursor are left zero.
+// this load (the library zeroes it on the stream before each launch, so within one kernel it
+// only grows and a completer that read it earlier can never move it back). Whoever moves the
+// cursor past a completed layer (its counter at counts_per_layer) raises that layer's flag,
+// and goes on while the next layer is complete too; a layer that completes before the layers
+// ahead of it is raised by whoever raises the last of them. Nobody waits for anybody. Of a
+// completer and a raiser that stops at its layer, at least one sees the other (an SC fence
+// between each one's write, count or cursor, and its read of the other's), so no completed
+// layer is left unraised.
 __device__ void publish_in_order(const Signals& sig, uint32_t num_layers,
                                  uint32_t counts_per_layer) {
     uint32_t* cursor = sig.counters + num_layers;
     fence_sc_gpu();  // this count before reading the others' counts and the cursor
     uint32_t c = load_acquire_gpu(cursor);
-    while (c < num_layers && load_acquire_gpu(sig.counters + c) == counts_per_layer) {
+    while (c < num_layers) {
+        if (load_acquire_gpu(sig.counters + c) != counts_per_layer) {
+            fence_sc_gpu();  // the cursor this call moved before the last look at layer c
+            if (load_acquire_gpu(sig.counters + c) != counts_per_layer) {
+                break;  // layer c is not in yet: whoever completes it goes on from here
+            }
+        }
         const uint32_t seen = atomicCAS(cursor, c, c + 1);
         if (seen != c) {  // another completer moved the cursor: go on from where it is
             c = seen;
@@ -479,9 +487,7 @@ __device__ void publish_in_order(const Signals& sig, uint32_t num_layers,
         fence_acq_rel_gpu();  // every warp's stores of layer c (seen through its count) first
         asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(sig.flags + c), "r"(sig.epoch)
                      : "memory");
-        if (++c == num_layers) {
-            atomicExch(cursor, 0u);  // the last flag is up: ready for the next call
-        }
+        ++c;
     }
 }
 
@@ -1357,8 +1363,9 @@ cudaError_t signaled_geometry(CopyParams& p, int num_kv, int64_t n_tokens, int32
 }
 
 // The signaled per-layer load: all layers in one grid, layer by layer (signaled_body), on
-// `stream`. counters (device, num_layers + 1: the tile counters and the cursor) must be zero
-// and are left zero; flags[l] (num_layers) becomes `epoch` once layers 0..l have landed.
+// `stream`. counters (device, num_layers + 1: the tile counters, then the cursor) are zeroed
+// by a memset on the stream before the launch; flags[l] (num_layers) becomes `epoch` once
+// layers 0..l have landed.
 cudaError_t load_layers_signaled(const uint64_t* k_ptrs, const uint64_t* v_ptrs,
                                  int32_t num_layers, void* host_base,
                                  const kvio_layout& layout, const void* host_idx,
@@ -1386,6 +1393,9 @@ cudaError_t load_layers_signaled(const uint64_t* k_ptrs, const uint64_t* v_ptrs,
     SignaledGeometry g;
     KVIO_CHECK(signaled_geometry(p, v_ptrs != nullptr ? 2 : 1, n_tokens, num_layers,
                                  layout.num_chunks, guard.device(), &g));
+    // every launch starts from zero counts and a zero in-order cursor (publish_in_order),
+    // whatever loads of other layer counts left in this memory
+    KVIO_CHECK(cudaMemsetAsync(counters, 0, (size_t(num_layers) + 1) * sizeof(uint32_t), s));
     const Signals sig = {counters, flags, epoch};
     const SignaledKernel kernel = kSignaledKernels[log2_exact(g.vec)][needs_wide_index(p.total)];
     kernel<<<g.grid, kThreads, 0, s>>>(p, num_layers, sig);
