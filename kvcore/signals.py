@@ -21,7 +21,9 @@ class LayerSignals(Protocol):
         """Make ``stream`` wait until layer ``layer`` has landed in the device pool.
 
         Enqueues the wait and returns at once; work enqueued on ``stream`` afterwards sees the
-        layer's data complete. ``layer`` is in range (the caller checks).
+        layer's data complete. It may wait for more than that layer (the layers that land
+        with it), never less, and may enqueue nothing where an earlier wait on ``stream``
+        already covers the layer. ``layer`` is in range (the caller checks).
         """
         ...
 
