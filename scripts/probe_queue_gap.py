@@ -145,49 +145,40 @@ def probe(pages: int, calls: int, rows_only: bool = False) -> None:
         for h in hosts:
             ctl.free_host(h)
         return
-    # the library's own CPU time per call, with the arguments the queue passed
+    # the library's own CPU time per call, with the arguments the queue passed: each call
+    # alone (after a synchronize), then calls queued behind a sleeping kernel
     for function in ("kvio_load_layers_signaled", "kvio_copy_to_device",
                      "kvio_write_back_staged"):
         if function not in CALLS:
             continue
         lib, a = CALLS[function]
         raw = getattr(lib._lib, function)
-        samples = []
-        for _ in range(50):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            raw(*a)
-            samples.append(time.perf_counter() - t0)
-        torch.cuda.synchronize()
-        print(f"  raw {function:30s} {1e6 * statistics.median(samples):7.2f} us CPU")
+        print(f"  raw {function:30s} {cpu_us(raw, a, 50, torch.cuda.synchronize):7.2f} us CPU")
         if function == "kvio_write_back_staged":  # one cudaMemcpyAsync per run instead
-            b = list(a)
-            b[11] = 0
-            samples = []
-            for _ in range(50):
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                raw(*b)
-                samples.append(time.perf_counter() - t0)
+            b = (*a[:11], 0, *a[12:])
             print(f"  raw {function + ' (batched off)':30s} "
-                  f"{1e6 * statistics.median(samples):7.2f} us CPU")
-    for function in ("kvio_load_layers_signaled", "kvio_write_back_staged"):
-        if function in CALLS:  # CPU per call, 20 calls queued behind a sleeping kernel
-            lib, a = CALLS[function]
-            raw = getattr(lib._lib, function)
-            samples = []
+                  f"{cpu_us(raw, b, 50, torch.cuda.synchronize):7.2f} us CPU")
+        if function != "kvio_copy_to_device":
             torch.cuda._sleep(5_000_000)
-            for _ in range(20):
-                t0 = time.perf_counter()
-                raw(*a)
-                samples.append(time.perf_counter() - t0)
+            print(f"  raw {function:30s} {cpu_us(raw, a, 20):7.2f} us CPU (device busy)")
             torch.cuda.synchronize()
-            print(f"  raw {function:30s} {1e6 * statistics.median(samples):7.2f} us CPU "
-                  "(device busy)")
     flag_memory(ctl, ceil, calls)
     CALLS.clear()
     for h in hosts:
         ctl.free_host(h)
+
+
+def cpu_us(fn: Callable[..., Any], args: tuple[Any, ...], n: int,
+           before: Callable[[], Any] | None = None) -> float:
+    """Median microseconds of ``fn(*args)`` over ``n`` calls (``before`` untimed before each)."""
+    samples = []
+    for _ in range(n):
+        if before is not None:
+            before()
+        t0 = time.perf_counter()
+        fn(*args)
+        samples.append(time.perf_counter() - t0)
+    return 1e6 * statistics.median(samples)
 
 
 def device_us(stream: Any, enqueue: Callable[[], Any]) -> float:

@@ -373,15 +373,21 @@ class GroupingLibrary(RecordingLibrary):
         return self.group
 
 
+def _grouping_rig(group: int, layers: int) -> tuple[StreamsNative, GroupingLibrary, Any]:
+    """A backend with streams whose library lands ``group`` layers at a time, and a signaled
+    per-layer load job of ``layers`` layers."""
+    lib = GroupingLibrary(group)
+    backend = StreamsNative(torch.device("cpu"), lib, staging_bytes=1 << 20)  # type: ignore[arg-type]
+    dev = DevicePool.allocate("mha", layers, 64, 2, 64, torch.bfloat16, "cpu", 16)
+    host = HostPool.wrap(torch.empty(_shape("layer_first", layers), dtype=torch.bfloat16),
+                         "mha", "layer_first", layers, 2, 64, 16)
+    return backend, lib, _job(dev, host, Op.LOAD_LAYER, "signaled")
+
+
 def test_a_wait_goes_to_the_last_flag_of_its_group_once_per_group_and_stream() -> None:
     from kvcore.native import NativeLayerSignals
 
-    lib = GroupingLibrary(2)
-    backend = StreamsNative(torch.device("cpu"), lib, staging_bytes=1 << 20)  # type: ignore[arg-type]
-    dev = DevicePool.allocate("mha", 5, 64, 2, 64, torch.bfloat16, "cpu", 16)
-    host = HostPool.wrap(torch.empty(_shape("layer_first", 5), dtype=torch.bfloat16), "mha",
-                         "layer_first", 5, 2, 64, 16)
-    job = _job(dev, host, Op.LOAD_LAYER, "signaled")
+    backend, lib, job = _grouping_rig(group=2, layers=5)
     signals = backend.run(job)
     assert isinstance(signals, NativeLayerSignals) and signals.group == 2
     (name, args), _ = lib.calls
@@ -405,12 +411,8 @@ def test_a_wait_goes_to_the_last_flag_of_its_group_once_per_group_and_stream() -
 
 
 def test_a_wait_for_a_landed_layer_is_skipped_even_where_its_group_is_not_in() -> None:
-    lib = GroupingLibrary(4)
-    backend = StreamsNative(torch.device("cpu"), lib, staging_bytes=1 << 20)  # type: ignore[arg-type]
-    dev = DevicePool.allocate("mha", 4, 64, 2, 64, torch.bfloat16, "cpu", 16)
-    host = HostPool.wrap(torch.empty(_shape("layer_first", 4), dtype=torch.bfloat16), "mha",
-                         "layer_first", 4, 2, 64, 16)
-    signals = backend.run(_job(dev, host, Op.LOAD_LAYER, "signaled"))
+    backend, lib, job = _grouping_rig(group=4, layers=4)
+    signals = backend.run(job)
     buf = backend._signal_buffer(0, 4)
     buf.flag_memory[:2] = signals.epoch  # layers 0 and 1 are in, 2 and 3 not yet
     lib.calls.clear()

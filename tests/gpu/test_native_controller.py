@@ -5,6 +5,8 @@ Skipped with the reason where no native backend is available (every CPU-only mac
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -72,17 +74,18 @@ def test_write_then_load_through_controller_is_exact(layout: str, kind: str) -> 
                 (kv, layer)
 
 
-def test_wait_layer_orders_the_current_stream_per_layer() -> None:
-    dev, host = _pools("page_first")
-    ctl = HiCacheController(dev, host)
-    src = torch.arange(0, 32 * PAGE, device=DEVICE)
+def _checksum(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16).to(torch.int64).sum()
+
+
+def _load_checked_per_layer(ctl: HiCacheController, dev: DevicePool, src: torch.Tensor,
+                            dst: torch.Tensor) -> Any:
+    """Write ``src``, load it into poisoned ``dst`` and, right after each ``wait_layer(i)``,
+    checksum layer i of ``dst`` on the current stream: each checksum must be the source's
+    (the wait covered that layer). Returns the load's handle."""
     ack = ctl.write(src)
     ctl.wait_acks()
-    def checksum(t: torch.Tensor) -> torch.Tensor:
-        return t.view(torch.int16).to(torch.int64).sum()
-
-    expected = [[checksum(t[src]).item() for t in dev.layers(kv)] for kv in range(2)]
-    dst = torch.arange(32 * PAGE, 64 * PAGE, device=DEVICE)
+    expected = [[_checksum(t[src]).item() for t in dev.layers(kv)] for kv in range(2)]
     for t in dev.all_buffers():
         t[dst] = torch.full_like(t[dst], -7.0)
     torch.cuda.synchronize(DEVICE)
@@ -91,11 +94,19 @@ def test_wait_layer_orders_the_current_stream_per_layer() -> None:
     for layer in range(LAYERS):
         handle.wait_layer(layer)
         # consumer kernels on the current stream, ordered after layer `layer` only
-        sums.append([checksum(dev.layers(kv)[layer][dst]) for kv in range(2)])
+        sums.append([_checksum(dev.layers(kv)[layer][dst]) for kv in range(2)])
     handle.wait()
-    for layer in range(LAYERS):
-        for kv in range(2):
-            assert sums[layer][kv].item() == expected[kv][layer], (layer, kv)
+    assert [[s.item() for s in row] for row in sums] == [
+        [expected[kv][layer] for kv in range(2)] for layer in range(LAYERS)]
+    ctl.free_host(ack.host_indices)
+    return handle
+
+
+def test_wait_layer_orders_the_current_stream_per_layer() -> None:
+    dev, host = _pools("page_first")
+    ctl = HiCacheController(dev, host)
+    _load_checked_per_layer(ctl, dev, torch.arange(0, 32 * PAGE, device=DEVICE),
+                            torch.arange(32 * PAGE, 64 * PAGE, device=DEVICE))
 
 
 @pytest.mark.parametrize("pages", [1, 3, 13])
@@ -108,29 +119,11 @@ def test_each_wait_layer_covers_its_layer_when_layers_land_in_groups(pages: int)
     ctl = HiCacheController(dev, host)
     assert ctl.plan(Op.LOAD_LAYER).backend_name == NATIVE
     gen = torch.Generator().manual_seed(pages)
-
-    def checksum(t: torch.Tensor) -> torch.Tensor:
-        return t.view(torch.int16).to(torch.int64).sum()
-
+    ramp = torch.arange(PAGE)
     for _ in range(3):
         src_pages, dst_pages = torch.randperm(64, generator=gen)[:2 * pages].split(pages)
-        ramp = torch.arange(PAGE)
-        src = (src_pages[:, None] * PAGE + ramp).flatten().to(DEVICE)
-        dst = (dst_pages[:, None] * PAGE + ramp).flatten().to(DEVICE)
-        ack = ctl.write(src)
-        ctl.wait_acks()
-        expected = [[checksum(t[src]).item() for t in dev.layers(kv)] for kv in range(2)]
-        for t in dev.all_buffers():
-            t[dst] = torch.full_like(t[dst], -7.0)
-        torch.cuda.synchronize(DEVICE)
-        handle = ctl.load(ack.host_indices, dst)
-        sums = []
-        for layer in range(LAYERS):
-            handle.wait_layer(layer)
-            sums.append([checksum(dev.layers(kv)[layer][dst]) for kv in range(2)])
-        handle.wait()
-        assert [[s.item() for s in row] for row in sums] == [
-            [expected[kv][layer] for kv in range(2)] for layer in range(LAYERS)]
-        ctl.free_host(ack.host_indices)
+        handle = _load_checked_per_layer(
+            ctl, dev, (src_pages[:, None] * PAGE + ramp).flatten().to(DEVICE),
+            (dst_pages[:, None] * PAGE + ramp).flatten().to(DEVICE))
     signals = handle._submissions[0].completions[0]
     assert 1 <= getattr(signals, "group", 1) <= LAYERS
