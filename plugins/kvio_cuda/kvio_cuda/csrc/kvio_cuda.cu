@@ -496,9 +496,10 @@ __device__ void publish_in_order(const Signals& sig, uint32_t num_layers,
 // tile never spans two layers. Tiles go to blocks in order (grid-stride), so the layers land
 // in order, a wave of the grid at a time, without the launch gaps of one kernel per layer.
 // Each warp counts its part of a tile once its stores are fenced (no block barrier: the warps
-// of a block run on independently, as in copy_body); the warp whose count completes the
-// layer publishes its flag with system-scope release, so a stream waiting on the flag
-// (cuStreamWaitValue32) sees the layer's data.
+// of a block run on independently, as in copy_body); the warp whose count completes a
+// layer raises the flags of every layer complete in order up to it (publish_in_order), with
+// system-scope release, so a stream waiting on a flag (cuStreamWaitValue32) sees the data of
+// that layer and of every layer before it.
 template <int VEC, typename IdxT>
 __device__ __forceinline__ void signaled_body(const CopyParams& p, int32_t num_layers,
                                               Signals sig) {
