@@ -95,3 +95,32 @@ def test_the_bounds_and_report_structs_match_the_c_abi() -> None:
     assert (made.host_tokens, made.device_tokens, made.report, made.epoch) == (
         5, 6, 0x1000, (1 << 64) - 1)
     assert "report=0x1000" in repr(made)
+
+
+def test_the_layer_group_comes_back_through_its_out_argument_and_is_clamped() -> None:
+    answers = iter([5, 0, 99])
+    seen: list[tuple[Any, ...]] = []
+
+    def group(*args: Any) -> int:  # as the C function: write *group, return a status
+        seen.append(args)
+        ctypes.cast(args[-1], ctypes.POINTER(ctypes.c_int32))[0] = next(answers)
+        return 0
+
+    fake = stand_in()
+    lib = NativeLibrary(runtime="x", name="kvio_x", lib=fake)
+    assert lib.signaled_layer_group(1, None, 8, 3, LAYOUT, 64, None) == 1  # not exported
+    fake.kvio_signaled_layer_group = group
+    lib = NativeLibrary(runtime="x", name="kvio_x", lib=fake)
+    assert [lib.signaled_layer_group(1, 2, 8, 3, LAYOUT, 64, 7) for _ in range(3)] == [5, 1, 8]
+    assert seen[0][:4] == (1, 2, 8, 3) and seen[0][5:7] == (64, 7)
+    with pytest.raises(InvalidArgument, match="num_layers"):
+        lib.signaled_layer_group(1, 2, 2**40, 3, LAYOUT, 64, 7)
+
+
+def test_a_failing_layer_group_query_is_a_kernel_error() -> None:
+    fake = stand_in()
+    fake.kvio_signaled_layer_group = lambda *args: 1
+    fake.kvio_error_string = lambda code: b"invalid argument"
+    lib = NativeLibrary(runtime="x", name="kvio_x", lib=fake)
+    with pytest.raises(KernelError, match="kvio_signaled_layer_group: invalid argument"):
+        lib.signaled_layer_group(1, 2, 8, 3, LAYOUT, 64, 7)
