@@ -321,8 +321,9 @@ class BoundPlan:
 
         ``after``: another stream (the caller's, when ``stream`` is a transfer stream of its
         own) whose work enqueued so far the operation must follow. The wait for it goes on
-        ``stream`` after the indices' upload, which reads only memory of this plan, so the
-        upload overlaps that work instead of adding to the time before the copy starts.
+        ``stream`` after the upload of CPU indices through this plan's ring (it reads only
+        memory the CPU wrote, so it overlaps that work instead of adding to the time before
+        the copy starts) and before anything that reads a device tensor.
 
         For a per-layer load, ``layer`` None moves every layer: as one job where the variant
         has ``layer_signals``, else one job per layer; the returned submission can wait for
@@ -350,15 +351,16 @@ class BoundPlan:
         try:
             ring = self._ring
             if ring is not None and ring.upload is not None:  # no stream switch needed
+                # CPU indices only: what they read the CPU wrote, so no need to follow `after`
                 h = self._place_on_stream(h, support.host_index, segments, s, ring_only=True)
                 d = self._place_on_stream(d, support.device_index, segments, s, ring_only=True)
+            if after is not None:  # before anything reads a tensor `after` may be writing
+                self._fence.order(s, after)
             if not (fits(h, support.host_index, device) and fits(d, support.device_index,
                                                                   device)):
                 with on_stream(s):  # copies and allocations are ordered on the stream
                     h = self._place_on_stream(h, support.host_index, segments, s)
                     d = self._place_on_stream(d, support.device_index, segments, s)
-            if after is not None:
-                self._fence.order(s, after)
             sub = self._enqueue(support, h, d, layer, s, chained)
         finally:  # the ring's slots are free once what read them (or nothing) completed
             if segments:
