@@ -1175,16 +1175,17 @@ cudaError_t issue_copies(int direction, char* buf, int64_t p0, int64_t cp, int n
                      stream);
 }
 
-// The three events of this thread's pipelined staged transfers on each device, made once
-// (an event create and destroy per call cost microseconds of CPU on every large transfer) and
-// destroyed when the thread ends. Reusing them across calls is safe: a wait captures the
+// N events per device for the calling thread, made on first use (events belong to the device
+// current when they are created; an event create and destroy per call cost microseconds of CPU)
+// and destroyed when the thread ends. Reusing them across calls is safe: a wait captures the
 // event's state when it is enqueued, so re-recording it later never changes an earlier wait.
-struct ThreadPipelineEvents {
-    cudaEvent_t events[kMaxDevices][3] = {};
-    ThreadPipelineEvents() = default;
-    ThreadPipelineEvents(const ThreadPipelineEvents&) = delete;
-    ThreadPipelineEvents& operator=(const ThreadPipelineEvents&) = delete;
-    ~ThreadPipelineEvents() {
+template <int N>
+struct ThreadEvents {
+    cudaEvent_t events[kMaxDevices][N] = {};
+    ThreadEvents() = default;
+    ThreadEvents(const ThreadEvents&) = delete;
+    ThreadEvents& operator=(const ThreadEvents&) = delete;
+    ~ThreadEvents() {
         for (auto& device : events) {
             for (cudaEvent_t& e : device) {
                 if (e != nullptr) (void)cudaEventDestroy(e);
@@ -1193,12 +1194,28 @@ struct ThreadPipelineEvents {
     }
 };
 
+// This thread's N events of `device` (ThreadEvents<N>), created where missing.
+template <int N>
+cudaError_t thread_events(int device, cudaEvent_t** out) {
+    if (device < 0 || device >= kMaxDevices) {
+        return cudaErrorInvalidDevice;
+    }
+    thread_local ThreadEvents<N> cache;
+    for (cudaEvent_t& e : cache.events[device]) {
+        if (e == nullptr) {
+            KVIO_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+        }
+    }
+    *out = cache.events[device];
+    return cudaSuccess;
+}
+
 // Events of one pipelined staged transfer. Chunk i uses staging half i % 2 in two steps: a
 // fill (the gather of a write-back, on the caller's stream; the DMA of a load, on the side
 // stream), then a drain on the other stream (the DMA of a write-back; the scatter of a
-// load). The destructor releases the events and, if the call stops early after side-stream
-// work was enqueued, still makes the caller's stream wait for that work so the staging
-// buffer is never reused under a running copy.
+// load). The events are this thread's (thread_events). If the call stops early after
+// side-stream work was enqueued, the destructor still makes the caller's stream wait for that
+// work so the staging buffer is never reused under a running copy.
 class Pipeline {
   public:
     Pipeline(cudaStream_t caller, cudaStream_t side, bool fill_on_side)
@@ -1220,20 +1237,12 @@ class Pipeline {
         }
     }
 
-    // Takes this thread's events of `device` (ThreadPipelineEvents). A fill on the side stream
+    // Takes this thread's three events of `device` (thread_events). A fill on the side stream
     // first waits for everything the caller enqueued before this call (which may still be
     // writing the host pages it reads).
     cudaError_t init(int device) {
-        if (device < 0 || device >= kMaxDevices) {
-            return cudaErrorInvalidDevice;
-        }
-        thread_local ThreadPipelineEvents cache;
-        cudaEvent_t* e = cache.events[device];
-        for (int i = 0; i < 3; ++i) {
-            if (e[i] == nullptr) {
-                KVIO_CHECK(cudaEventCreateWithFlags(&e[i], cudaEventDisableTiming));
-            }
-        }
+        cudaEvent_t* e = nullptr;
+        KVIO_CHECK(thread_events<3>(device, &e));
         filled_ = e[0];
         drained_[0] = e[1];
         drained_[1] = e[2];
@@ -1580,20 +1589,6 @@ bool batch_available(bool flat) {
 #endif
 }
 
-// A per-thread event per device for LegacyFork (events belong to the device current when
-// they are created), destroyed when the thread ends.
-struct ThreadEvents {
-    cudaEvent_t events[kMaxDevices] = {};
-    ThreadEvents() = default;
-    ThreadEvents(const ThreadEvents&) = delete;
-    ThreadEvents& operator=(const ThreadEvents&) = delete;
-    ~ThreadEvents() {
-        for (cudaEvent_t& e : events) {
-            if (e != nullptr) (void)cudaEventDestroy(e);
-        }
-    }
-};
-
 // Runs work of a call made on the legacy default stream `caller` on the device's internal DMA
 // stream: begin() makes that stream wait for everything enqueued on `caller` so far, join()
 // makes `caller` wait for what was enqueued on it in between. If the call stops early after
@@ -1611,14 +1606,9 @@ class LegacyFork {
 
     cudaError_t begin(int device, cudaStream_t* out) {
         KVIO_CHECK(dma_stream(device, &side_));
-        thread_local ThreadEvents cache;
-        cudaEvent_t& e = cache.events[device];
-        if (e == nullptr) {
-            KVIO_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
-        }
-        event_ = e;
-        // A wait captures the event's state when it is enqueued: re-recording the event later
-        // (join, the next call of this thread) never changes what an earlier wait waits for.
+        cudaEvent_t* e = nullptr;
+        KVIO_CHECK(thread_events<1>(device, &e));  // re-recorded by join and the next call
+        event_ = e[0];
         KVIO_CHECK(cudaEventRecord(event_, caller_));
         KVIO_CHECK(cudaStreamWaitEvent(side_, event_, 0));
         forked_ = true;
