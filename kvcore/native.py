@@ -280,8 +280,10 @@ class NativeBackend:
             s = raw(stream)
             done = issue(host_tokens, device_tokens, op)
             n = h.numel()
-            group = groups.get(n) or groups.setdefault(n, self.layer_group(
-                k_ptrs, v_ptrs, num_layers, host_base, layout, n))
+            group = groups.get(n)
+            if group is None:  # this runner's front of layer_group's cache (no key tuple)
+                group = groups[n] = self.layer_group(k_ptrs, v_ptrs, num_layers, host_base,
+                                                     layout, n)
             with self._signal_lock:  # epochs reach the stream in the order they are handed out
                 buf = self._signal_buffer(s, num_layers, stream)
                 epoch = buf.next_epoch()
