@@ -249,6 +249,9 @@ class NativeBackend:
                 return done
 
             return run_staged
+        if op is Op.LOAD_LAYER and variant == self.DMA and \
+                "kvio_load_layer_dma" in getattr(self.lib, "optional", ()):
+            return self._dma_runner(job, host_base, layout)
         if op is Op.LOAD_LAYER and variant in (self.STAGED, self.DMA):
             return job_runner(self.run, job)  # refused, or one copy-engine call per layer
         direction = DEVICE_TO_HOST if op is Op.WRITE_BACK else HOST_TO_DEVICE
@@ -294,6 +297,31 @@ class NativeBackend:
             return NativeLayerSignals(self, buf, epoch, done, group, num_layers)
 
         return run_signaled
+
+    def _dma_runner(self, job: TransferJob, host_base: int | None,
+                    layout: KvioLayout) -> Runner:
+        """The copy-engine per-layer load's runner: one unchecked ``kvio_load_layer_dma`` per
+        layer, with the layer tensors' addresses looked up once (a load of every layer makes
+        one call per layer, so what :meth:`run` repeats per call is paid num_layers times)."""
+        pool = job.device_pool
+        k_dst = [t.data_ptr() or None for t in pool.layers(0)]
+        v_dst = ([t.data_ptr() or None for t in pool.layers(1)] if pool.v_ptrs is not None
+                 else [None] * len(k_dst))
+        dma = self.lib.unchecked("kvio_load_layer_dma")  # type: ignore[attr-defined]
+        issue, raw, batched = self._reports().issue, self.stream_handle, int(self.use_batched)
+        host_tokens, device_tokens, op = job.host_geometry.size, pool.size, job.op
+        every_layer = job_runner(self.run, job)
+
+        def run_dma(h: torch.Tensor, d: torch.Tensor, layer: int | None, stream: Any,
+                    chained: bool) -> None:
+            if layer is None:
+                return every_layer(h, d, layer, stream, chained)  # type: ignore[no-any-return]
+            bounds = issue(host_tokens, device_tokens, op).bounds
+            dma(k_dst[layer], v_dst[layer], layer, host_base, layout, h.data_ptr() or None,
+                d.data_ptr() or None, h.numel(), batched, raw(stream) or None, bounds)
+            return None  # CPU indices: the library refuses a bad one before enqueueing
+
+        return run_dma
 
     def _layout(self, strides: ByteStrides) -> KvioLayout:
         """One validated C struct per host pool geometry, not per call; looked up by the

@@ -254,6 +254,45 @@ def test_dma_load_of_one_layer_passes_that_layers_tensors_and_cpu_indices() -> N
     assert make_layout(layout).as_dict() == layout_fields(host.strides)
 
 
+class DmaLibrary(RecordingLibrary):
+    """A library with the optional copy-engine load and unchecked calls (as NativeLibrary)."""
+
+    optional = ("kvio_load_layer_dma",)
+
+    def unchecked(self, function: str, last: Any = None) -> Any:
+        def call(*args: Any) -> None:
+            self.calls.append((function, args[:-1]))
+            self.bounds.append(args[-1])
+
+        return call
+
+
+def test_a_prepared_dma_runner_passes_what_a_job_run_passes_for_each_layer() -> None:
+    from kvcore.backend import runner_for
+
+    lib = DmaLibrary()
+    backend = CpuNative(torch.device("cpu"), lib)  # type: ignore[arg-type]
+    _, _, dev, host = _setup("layer_first")
+    job = _job(dev, host, Op.LOAD_LAYER, "dma", layer=0)
+    run = runner_for(backend, job)
+    for layer in (2, 0):
+        one = _job(dev, host, Op.LOAD_LAYER, "dma", layer=layer)
+        backend.run(one)
+        run(one.host_indices, one.device_indices, layer, None, layer > 0)
+        (slow, checked), (fast, args) = lib.calls[-2:]
+        assert (slow, fast) == ("dma", "kvio_load_layer_dma")
+        assert args[:4] == (dev.layers(0)[layer].data_ptr(), dev.layers(1)[layer].data_ptr(),
+                            layer, host.buffer.data_ptr())
+        assert make_layout(args[4]).as_dict() == make_layout(checked[4]).as_dict()
+        assert args[5:] == (one.host_indices.data_ptr(), one.device_indices.data_ptr(), 16, 1,
+                            None)  # None: NULL, the CPU's (legacy) stream
+        assert checked[5:9] == args[5:9]
+        slow_bounds, fast_bounds = lib.bounds[-2:]
+        assert (fast_bounds.host_tokens, fast_bounds.device_tokens) == (
+            slow_bounds.host_tokens, slow_bounds.device_tokens) == (64, 64)
+        assert fast_bounds.epoch != slow_bounds.epoch  # a report slot of its own
+
+
 def test_the_dma_variant_is_declared_first_with_both_index_sets_on_the_cpu() -> None:
     import torch as _torch
 
