@@ -19,7 +19,8 @@ from typing import Any
 
 from kvcore.errors import BuildError, InvalidArgument, KernelError
 
-__all__ = ["ABI_HEADER", "ABI_VERSION", "INCLUDE_DIR", "REPORT_BYTES", "KvioBounds",
+__all__ = ["ABI_HEADER", "ABI_VERSION", "ASYNC_WRITE_FUNCTIONS", "INCLUDE_DIR", "JOB_PENDING",
+           "REPORT_BYTES", "KvioBounds",
            "KvioLayout", "KvioReport", "NativeLibrary", "OPTIONAL_PROTOTYPES", "PROTOTYPES",
            "make_bounds", "make_layout", "unchecked_bounds"]
 
@@ -288,7 +289,24 @@ OPTIONAL_PROTOTYPES: dict[str, tuple[Any, tuple[Any, ...]]] = {
         _c.c_int64,     # nbytes
         _c.c_void_p,    # stream
     )),
+    # the staged write-back issued by a library thread (the caller only hands it over)
+    "kvio_write_back_staged_async": (_c.c_int, (
+        *PROTOTYPES["kvio_write_back_staged"][1][:-1],
+        _c.c_void_p,    # after_stream (the transfer follows its work so far; `stream`: none)
+        _BOUNDS_P,      # bounds (copied by the call)
+        _c.POINTER(_c.c_void_p),  # job (out)
+    )),
+    "kvio_job_status": (_c.c_int, (_c.c_void_p,)),
+    "kvio_job_wait": (_c.c_int, (_c.c_void_p,)),
+    "kvio_job_release": (None, (_c.c_void_p,)),
+    "kvio_jobs_flush": (None, ()),
 }
+
+#: the optional functions that together make the asynchronous staged write-back
+ASYNC_WRITE_FUNCTIONS = frozenset({"kvio_write_back_staged_async", "kvio_job_status",
+                                   "kvio_job_wait", "kvio_job_release", "kvio_jobs_flush"})
+#: what kvio_job_status / kvio_job_wait return for a job not yet finished (KVIO_JOB_PENDING)
+JOB_PENDING = -1
 
 #: the optional functions that together make the signaled per-layer load
 LAYER_SIGNAL_FUNCTIONS = frozenset({"kvio_has_layer_signals", "kvio_load_layers_signaled",
@@ -382,6 +400,11 @@ class NativeLibrary:
         functions and ``kvio_has_layer_signals()`` says the runtime can wait on a flag."""
         return (LAYER_SIGNAL_FUNCTIONS <= self.optional
                 and bool(int(self._lib.kvio_has_layer_signals())))
+
+    def has_async_write_back(self) -> bool:
+        """Whether the library exports the asynchronous staged write-back and its job
+        functions (:meth:`write_back_staged_async`)."""
+        return ASYNC_WRITE_FUNCTIONS <= self.optional
 
     def error_string(self, code: int) -> str:
         """The runtime's message for status ``code``."""
@@ -487,6 +510,64 @@ class NativeLibrary:
         self._staged("kvio_write_back_staged", k_ptrs, v_ptrs, num_layers, host_base, layout,
                      host_idx_cpu, dev_idx, dev_idx_64, n_tokens, staging, staging_bytes,
                      use_batched, stream, bounds)
+
+    def write_back_staged_async(self, k_ptrs: int, v_ptrs: int | None, num_layers: int,
+                                host_base: int, layout: KvioLayout | Mapping[str, int],
+                                host_idx_cpu: int, dev_idx: int, dev_idx_64: int,
+                                n_tokens: int, staging: int, staging_bytes: int,
+                                use_batched: int | bool, stream: int | None,
+                                after_stream: int | None,
+                                bounds: KvioBounds | None = None) -> int:
+        """``kvio_write_back_staged_async`` (optional): :meth:`write_back_staged`, issued on
+        ``stream`` by a library thread after the work enqueued on ``after_stream`` until this
+        call (equal to ``stream``: nothing more than stream order). Checks its arguments as
+        :meth:`write_back_staged` does, with the same errors, before handing anything over;
+        returns the job handle for
+        :meth:`job_status` and :meth:`job_wait`, to be given back with :meth:`job_release`.
+        The host indices are copied; ``dev_idx``, ``staging`` and the pools must stay valid
+        until the job finished. Raises BuildError when the library lacks the functions.
+        """
+        if not self.has_async_write_back():
+            raise BuildError(f"{self._where()} does not export kvio_write_back_staged_async "
+                             f"and its job functions (rebuild the {self.name} library)")
+        job = ctypes.c_void_p()
+        status = self._lib.kvio_write_back_staged_async(
+            _ptr("k_ptrs", k_ptrs),
+            _ptr("v_ptrs", v_ptrs),
+            _int("num_layers", num_layers, _INT32),
+            _ptr("host_base", host_base),
+            make_layout(layout),
+            _ptr("host_idx_cpu", host_idx_cpu),
+            _ptr("dev_idx", dev_idx),
+            _flag("dev_idx_64", dev_idx_64),
+            _int("n_tokens", n_tokens, _INT64),
+            _ptr("staging", staging),
+            _int("staging_bytes", staging_bytes, _INT64),
+            _flag("use_batched", use_batched),
+            _ptr("stream", stream),
+            _ptr("after_stream", after_stream),
+            _bounds(bounds),
+            ctypes.byref(job),
+        )
+        self.check("kvio_write_back_staged_async", status)
+        return int(job.value or 0)
+
+    def job_status(self, job: int) -> int:
+        """``kvio_job_status``: :data:`JOB_PENDING` while the job is not issued or still
+        running, 0 once everything it enqueued completed, else the error that failed it."""
+        return int(self._lib.kvio_job_status(_ptr("job", job)))
+
+    def job_wait(self, job: int) -> int:
+        """``kvio_job_wait``: blocks until the job was issued and completed; its status."""
+        return int(self._lib.kvio_job_wait(_ptr("job", job)))
+
+    def job_release(self, job: int) -> None:
+        """``kvio_job_release``: gives the handle back (a job not yet issued still is)."""
+        self._lib.kvio_job_release(_ptr("job", job))
+
+    def jobs_flush(self) -> None:
+        """``kvio_jobs_flush``: blocks until every job handed over so far was issued."""
+        self._lib.kvio_jobs_flush()
 
     def load_all_staged(self, k_ptrs: int, v_ptrs: int | None, num_layers: int,
                         host_base: int, layout: KvioLayout | Mapping[str, int],

@@ -125,6 +125,27 @@ KVIO_API int kvio_signaled_layer_group(const uint64_t* k_ptrs, const uint64_t* v
 
 KVIO_API int kvio_copy_to_device(void* dst, const void* src, int64_t nbytes, void* stream);
 
+/* Asynchronous staged write-back: checks its arguments as kvio_write_back_staged does (same
+ * codes), copies the host indices, records on after_stream the point the transfer follows
+ * (nothing when it is `stream`; NULL is the legacy default stream, as everywhere in this
+ * ABI), and hands the transfer to a library thread, which issues it on `stream`.
+ * *job receives a handle for kvio_job_status / kvio_job_wait (KVIO_JOB_PENDING, 0 once all
+ * its work completed, else the error that failed it) and must be given back with
+ * kvio_job_release. kvio_jobs_flush blocks until every job handed over was issued. */
+#define KVIO_JOB_PENDING (-1)
+KVIO_API int kvio_write_back_staged_async(const uint64_t* k_ptrs, const uint64_t* v_ptrs,
+                                          int32_t num_layers, void* host_base,
+                                          kvio_layout layout, const int64_t* host_idx_cpu,
+                                          const void* dev_idx, int dev_idx_64,
+                                          int64_t n_tokens, void* staging,
+                                          int64_t staging_bytes, int use_batched, void* stream,
+                                          void* after_stream, const kvio_bounds* bounds,
+                                          void** job);
+KVIO_API int kvio_job_status(void* job);
+KVIO_API int kvio_job_wait(void* job);
+KVIO_API void kvio_job_release(void* job);
+KVIO_API void kvio_jobs_flush(void);
+
 #ifdef __cplusplus
 }
 #endif

@@ -34,7 +34,8 @@ C_TO_CTYPES = {
     "int": ctypes.c_int, "int32_t": ctypes.c_int32, "int64_t": ctypes.c_int64,
     "uint32_t": ctypes.c_uint32, "kvio_layout": KvioLayout,
     "kvio_bounds*": ctypes.POINTER(KvioBounds), "char*": ctypes.c_char_p,
-    "int32_t*": ctypes.POINTER(ctypes.c_int32),
+    "int32_t*": ctypes.POINTER(ctypes.c_int32), "void**": ctypes.POINTER(ctypes.c_void_p),
+    "void": None,  # a function returning nothing
 }
 
 

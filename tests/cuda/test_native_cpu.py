@@ -731,6 +731,52 @@ def test_real_library_staged_transfers_refuse_bad_arguments_before_any_cuda_call
     assert staged(1, 0, 32, 1, layout, 1, 1, 0, 0, 1, 1 << 30, 1, None, BOUNDS) == 0
 
 
+def test_real_library_async_write_back_refuses_what_the_staged_one_refuses_and_hands_over_nothing(
+        real_library: _native.NativeLibrary) -> None:
+    assert real_library.has_async_write_back()
+    raw = real_library._lib
+    layout = _native.KvioLayout.from_fields(LAYOUT)
+    job = ctypes.c_void_p(0xDEAD)
+
+    def staged(*args: Any) -> int:
+        job.value = 0xDEAD
+        return raw.kvio_write_back_staged_async(*args[:-1], None, args[-1], ctypes.byref(job))
+
+    # the cases of the staged write-back (above), each refused with no job handed out
+    assert staged(1, 0, 32, 1, layout, 1, 1, 0, 63, 1, 1 << 30, 1, None, BOUNDS) == 1
+    assert job.value is None
+    assert staged(1, 0, 16, 1, layout, 1, 1, 0, 64, 1, 1 << 30, 1, None, BOUNDS) == 1
+    assert staged(1, 0, 32, 1, layout, 1, 1, 0, 64, None, 1 << 30, 1, None, BOUNDS) == 1
+    host_idx = (ctypes.c_int64 * 64)(*range(64))
+    assert staged(1, 0, 32, 1, layout, host_idx, 1, 0, 64, 1, 1024, 1, None, BOUNDS) == 1
+    assert raw.kvio_write_back_staged_async(1, 0, 32, 1, layout, 1, 1, 0, 64, 1, 1 << 30, 1,
+                                            None, None, BOUNDS, None) == 1  # no job slot
+    # nothing to do: a job that finished at once, touching no device
+    assert staged(1, 0, 32, 1, layout, 1, 1, 0, 0, 1, 1 << 30, 1, None, BOUNDS) == 0
+    assert job.value not in (None, 0xDEAD)
+    assert raw.kvio_job_status(job) == 0 and raw.kvio_job_wait(job) == 0
+    raw.kvio_job_release(job)
+    with pytest.raises(KernelError, match=r"kvio_write_back_staged_async: invalid argument"):
+        real_library.write_back_staged_async(1, 0, 32, 1, LAYOUT, 1, 1, 0, 63, 1, 1 << 30, 1,
+                                             None, None)
+
+
+def test_real_library_async_write_back_refuses_an_out_of_range_cpu_host_index(
+        real_library: _native.NativeLibrary, no_gpu: None) -> None:
+    layout = _native.KvioLayout.from_fields(LAYOUT)
+    host_idx = (ctypes.c_int64 * 128)(*range(64, 192))
+    dev_idx = (ctypes.c_int64 * 128)()
+    job = ctypes.c_void_p()
+
+    def call(host_tokens: int) -> int:
+        return real_library._lib.kvio_write_back_staged_async(
+            1, 0, 32, 1, layout, ctypes.addressof(host_idx), ctypes.addressof(dev_idx), 1,
+            128, 1, 1 << 30, 1, None, None, _bounds(host_tokens, 1 << 20), ctypes.byref(job))
+
+    assert call(191) == 1 and job.value is None
+    assert _reaches_the_runtime(call(192))  # in range: on to the device (none here)
+
+
 def test_real_library_chained_transfer_refuses_bad_arguments_before_any_cuda_call(
         real_library: _native.NativeLibrary) -> None:
     assert real_library.has_transfer_direct_chained()

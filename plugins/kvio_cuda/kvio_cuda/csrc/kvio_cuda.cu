@@ -30,7 +30,11 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <condition_variable>
+#include <deque>
+#include <memory>
 #include <mutex>
+#include <thread>
 #include <vector>
 
 // The ABI's structs and prototypes come from kvcore's kvio_abi.h (built with
@@ -1440,11 +1444,13 @@ cudaError_t signaled_layer_group(const uint64_t* k_ptrs, const uint64_t* v_ptrs,
 // the images to the host pages. Load: the reverse, DMA of the host pages into staging, then
 // a device scatter into the pool. Transfers beyond the staging buffer (or large enough to
 // gain from it) go in chunks whose device relayout overlaps the DMA of the next chunk.
-cudaError_t transfer_staged(int direction, const uint64_t* k_ptrs, const uint64_t* v_ptrs,
-                            int32_t num_layers, void* host_base, const kvio_layout& layout,
-                            const int64_t* host_idx_cpu, const void* dev_idx, int dev_idx_64,
-                            int64_t n_tokens, void* staging, int64_t staging_bytes,
-                            int use_batched, void* stream, const kvio_bounds* bounds) {
+// The arguments of a staged transfer, checked on the CPU before anything is enqueued
+// (transfer_staged and its asynchronous form share them): cudaErrorInvalidValue for any
+// it cannot carry out.
+cudaError_t check_staged(int direction, const uint64_t* k_ptrs, const uint64_t* v_ptrs,
+                         int32_t num_layers, void* host_base, const kvio_layout& layout,
+                         const int64_t* host_idx_cpu, const void* dev_idx, int64_t n_tokens,
+                         void* staging, int64_t staging_bytes, const kvio_bounds* bounds) {
     if ((direction != kDeviceToHost && direction != kHostToDevice) || k_ptrs == nullptr ||
         host_base == nullptr || num_layers <= 0 || n_tokens < 0 || !layout_ok(layout) ||
         !bounds_ok(bounds)) {
@@ -1455,35 +1461,53 @@ cudaError_t transfer_staged(int direction, const uint64_t* k_ptrs, const uint64_
     }
     const int64_t P = layout.page_size;
     const int num_kv = v_ptrs != nullptr ? 2 : 1;
-    const int64_t elem_bytes = layout.chunk_bytes * layout.num_chunks;
-    const int64_t page_bytes = int64_t(num_layers) * P * elem_bytes;
+    const int64_t page_bytes =
+        int64_t(num_layers) * P * layout.chunk_bytes * layout.num_chunks;
     if (host_idx_cpu == nullptr || dev_idx == nullptr || staging == nullptr ||
         staging_bytes <= 0 || n_tokens % P != 0) {
         return cudaErrorInvalidValue;
     }
-    // Pages of K (or V) that are runs, else whole pages (K and V together) that are: staged
-    // and copied whole (the staging image is then [page][host page], K and V inside).
-    const bool whole = !page_is_contiguous(layout, num_layers, page_bytes) && num_kv == 2 &&
-                       layout.page_stride == 2 * page_bytes &&
-                       page_is_contiguous(layout, num_layers, page_bytes, num_kv);
-    if (!whole && !page_is_contiguous(layout, num_layers, page_bytes)) {
+    if (!page_is_contiguous(layout, num_layers, page_bytes) &&
+        !(num_kv == 2 && layout.page_stride == 2 * page_bytes &&
+          page_is_contiguous(layout, num_layers, page_bytes, num_kv))) {
         return cudaErrorInvalidValue;
     }
-    const int64_t num_pages = n_tokens / P;
-    for (int64_t i = 0; i < num_pages; ++i) {  // whole pages (validated again in Python)
+    for (int64_t i = 0; i < n_tokens / P; ++i) {  // whole pages (validated again in Python)
         const int64_t h0 = host_idx_cpu[i * P];
         if (h0 < 0 || h0 % P != 0) {
             return cudaErrorInvalidValue;
         }
     }
-    // The host copy addresses are computed here from CPU indices: refuse an out-of-range one
+    // The host copy addresses are computed from CPU indices: refuse an out-of-range one
     // before anything is enqueued (the device indices are checked by the kernels).
-    if (!cpu_indices_in_range(host_idx_cpu, n_tokens, bounds->host_tokens)) {
+    if (!cpu_indices_in_range(host_idx_cpu, n_tokens, bounds->host_tokens) ||
+        staging_bytes < page_bytes) {
         return cudaErrorInvalidValue;
     }
+    return cudaSuccess;
+}
+
+cudaError_t transfer_staged(int direction, const uint64_t* k_ptrs, const uint64_t* v_ptrs,
+                            int32_t num_layers, void* host_base, const kvio_layout& layout,
+                            const int64_t* host_idx_cpu, const void* dev_idx, int dev_idx_64,
+                            int64_t n_tokens, void* staging, int64_t staging_bytes,
+                            int use_batched, void* stream, const kvio_bounds* bounds) {
+    KVIO_CHECK(check_staged(direction, k_ptrs, v_ptrs, num_layers, host_base, layout,
+                            host_idx_cpu, dev_idx, n_tokens, staging, staging_bytes, bounds));
+    if (n_tokens == 0) {
+        return cudaSuccess;
+    }
+    const int64_t P = layout.page_size;
+    const int num_kv = v_ptrs != nullptr ? 2 : 1;
+    const int64_t elem_bytes = layout.chunk_bytes * layout.num_chunks;
+    const int64_t page_bytes = int64_t(num_layers) * P * elem_bytes;
+    // Pages of K (or V) that are runs, else whole pages (K and V together) that are: staged
+    // and copied whole (the staging image is then [page][host page], K and V inside).
+    const bool whole = !page_is_contiguous(layout, num_layers, page_bytes);
+    const int64_t num_pages = n_tokens / P;
     const int64_t slot_bytes = num_kv * page_bytes;  // one page of K (and V) in staging
     const int64_t capacity = staging_bytes / slot_bytes;
-    if (num_kv == 2 && capacity < 2 && staging_bytes >= page_bytes && !whole) {
+    if (num_kv == 2 && capacity < 2 && !whole) {
         // A page of K and V together does not fit twice, so the relayout of one page could
         // not overlap the copy of another (or does not fit at all): stage all of K, then all
         // of V, each pipelined where its own pages fit twice.
@@ -1783,6 +1807,263 @@ cudaError_t copy_to_device(void* dst, const void* src, int64_t nbytes, cudaStrea
     return cudaMemcpyAsync(dst, src, static_cast<size_t>(nbytes), cudaMemcpyHostToDevice, s);
 }
 
+// -------- asynchronous staged write-backs (kvio_write_back_staged_async) -----------------
+//
+// The caller's thread checks the arguments, copies the host indices and records where the
+// transfer must start on the caller's stream; a library thread then issues the transfer
+// exactly as kvio_write_back_staged would (its dozens of runtime calls for a large transfer
+// never hold up the caller, nor does a full launch queue). One thread for the process: jobs
+// are issued in the order they were handed over.
+
+constexpr int kJobPending = KVIO_JOB_PENDING;  // kvio_job_status: not issued, or issued and still running
+
+struct StagedJob {
+    const uint64_t* k_ptrs;
+    const uint64_t* v_ptrs;
+    int32_t num_layers;
+    void* host_base;
+    kvio_layout layout;
+    std::vector<int64_t> host_idx;
+    const void* dev_idx;
+    int dev_idx_64;
+    void* staging;
+    int64_t staging_bytes;
+    int use_batched;
+    cudaStream_t stream;
+    kvio_bounds bounds;
+    int device = 0;
+    cudaEvent_t after = nullptr;  // recorded on the caller's stream (null: it is `stream`)
+    cudaEvent_t done = nullptr;   // recorded on `stream` after everything the job enqueued
+    bool issued = false;          // guarded by JobQueue::mutex
+    bool released = false;        // guarded by JobQueue::mutex
+    cudaError_t error = cudaSuccess;
+};
+
+// Events of finished jobs, per device, for the next ones (creating two per job would cost
+// the caller microseconds); under g_mutex.
+std::vector<cudaEvent_t> g_job_events[kMaxDevices];
+
+cudaError_t take_job_event(int device, cudaEvent_t* out) {
+    {
+        std::lock_guard<std::mutex> lock(g_mutex);
+        std::vector<cudaEvent_t>& pool = g_job_events[device];
+        if (!pool.empty()) {
+            *out = pool.back();
+            pool.pop_back();
+            return cudaSuccess;
+        }
+    }
+    return cudaEventCreateWithFlags(out, cudaEventDisableTiming);
+}
+
+void give_job_events(const StagedJob* job) {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    for (cudaEvent_t e : {job->after, job->done}) {
+        if (e != nullptr) g_job_events[job->device].push_back(e);
+    }
+}
+
+class JobQueue {
+  public:
+    void push(StagedJob* job) {
+        std::lock_guard<std::mutex> lock(mutex);
+        if (!started_) {
+            std::thread(&JobQueue::serve, this).detach();  // lives as long as the process
+            started_ = true;
+        }
+        jobs_.push_back(job);
+        ready_.notify_one();
+    }
+
+    // Blocks until `job` was issued (or failed to be).
+    void wait_issued(StagedJob* job) {
+        std::unique_lock<std::mutex> lock(mutex);
+        issued_.wait(lock, [job] { return job->issued; });
+    }
+
+    // Blocks until every job handed over so far was issued.
+    void flush() {
+        std::unique_lock<std::mutex> lock(mutex);
+        issued_.wait(lock, [this] { return jobs_.empty() && !busy_; });
+    }
+
+    void release(StagedJob* job) {
+        bool free_now;
+        {
+            std::lock_guard<std::mutex> lock(mutex);
+            job->released = true;
+            free_now = job->issued;
+        }
+        if (free_now) destroy(job);  // else the thread does once it is issued
+    }
+
+    std::mutex mutex;
+
+  private:
+    static void destroy(StagedJob* job) {
+        give_job_events(job);
+        delete job;
+    }
+
+    void serve() {
+        for (;;) {
+            StagedJob* job;
+            {
+                std::unique_lock<std::mutex> lock(mutex);
+                ready_.wait(lock, [this] { return !jobs_.empty(); });
+                job = jobs_.front();
+                jobs_.pop_front();
+                busy_ = true;
+            }
+            const cudaError_t err = issue(job);
+            bool free_now;
+            {
+                std::lock_guard<std::mutex> lock(mutex);
+                job->error = err;
+                job->issued = true;
+                busy_ = false;
+                free_now = job->released;
+            }
+            issued_.notify_all();
+            if (free_now) destroy(job);
+        }
+    }
+
+    static cudaError_t issue(StagedJob* job) {
+        cudaError_t err = cudaSetDevice(job->device);
+        if (err == cudaSuccess && job->after != nullptr) {
+            err = cudaStreamWaitEvent(job->stream, job->after, 0);
+        }
+        if (err == cudaSuccess) {
+            err = transfer_staged(kDeviceToHost, job->k_ptrs, job->v_ptrs, job->num_layers,
+                                  job->host_base, job->layout, job->host_idx.data(),
+                                  job->dev_idx, job->dev_idx_64,
+                                  static_cast<int64_t>(job->host_idx.size()), job->staging,
+                                  job->staging_bytes, job->use_batched, job->stream,
+                                  &job->bounds);
+        }
+        // after whatever was enqueued, so a completion is never reported while a part of
+        // the transfer may still run
+        const cudaError_t recorded = cudaEventRecord(job->done, job->stream);
+        if (err != cudaSuccess || recorded != cudaSuccess) {
+            (void)cudaGetLastError();
+        }
+        return err != cudaSuccess ? err : recorded;
+    }
+
+    std::deque<StagedJob*> jobs_;
+    std::condition_variable ready_;
+    std::condition_variable issued_;
+    bool started_ = false;
+    bool busy_ = false;
+};
+
+// Never destroyed: the detached thread may still wait on it while the process exits.
+JobQueue& job_queue() {
+    static JobQueue* queue = new JobQueue;
+    return *queue;
+}
+
+cudaError_t write_back_staged_async(const uint64_t* k_ptrs, const uint64_t* v_ptrs,
+                                    int32_t num_layers, void* host_base,
+                                    const kvio_layout& layout, const int64_t* host_idx_cpu,
+                                    const void* dev_idx, int dev_idx_64, int64_t n_tokens,
+                                    void* staging, int64_t staging_bytes, int use_batched,
+                                    void* stream, void* after_stream, const kvio_bounds* bounds,
+                                    void** job_out) {
+    if (job_out == nullptr) {
+        return cudaErrorInvalidValue;
+    }
+    *job_out = nullptr;
+    KVIO_CHECK(check_staged(kDeviceToHost, k_ptrs, v_ptrs, num_layers, host_base, layout,
+                            host_idx_cpu, dev_idx, n_tokens, staging, staging_bytes, bounds));
+    if (n_tokens == 0) {  // nothing to do: a job that has finished (no event, no thread)
+        auto job = std::make_unique<StagedJob>();
+        job->issued = true;
+        *job_out = job.release();
+        return cudaSuccess;
+    }
+    cudaStream_t s = static_cast<cudaStream_t>(stream);
+    cudaStream_t after = static_cast<cudaStream_t>(after_stream);
+    bool capturing = false;
+    KVIO_CHECK(is_capturing(s, &capturing));
+    if (!capturing && after != s) {
+        KVIO_CHECK(is_capturing(after, &capturing));
+    }
+    DeviceGuard guard;
+    KVIO_CHECK(guard.enter(s));
+    auto job = std::make_unique<StagedJob>();
+    job->device = guard.device();
+    // Everything that can fail before the job is handed over; its events go back on failure.
+    auto prepare = [&]() -> cudaError_t {
+        KVIO_CHECK(take_job_event(job->device, &job->done));
+        if (after != s) {
+            KVIO_CHECK(take_job_event(job->device, &job->after));
+            KVIO_CHECK(cudaEventRecord(job->after, after));
+        }
+        if (capturing) {
+            // A stream being captured is recorded on the capturing thread: the transfer is
+            // issued here, and the job only reports its completion.
+            if (job->after != nullptr) {
+                KVIO_CHECK(cudaStreamWaitEvent(s, job->after, 0));
+            }
+            KVIO_CHECK(transfer_staged(kDeviceToHost, k_ptrs, v_ptrs, num_layers, host_base,
+                                       layout, host_idx_cpu, dev_idx, dev_idx_64, n_tokens,
+                                       staging, staging_bytes, use_batched, stream, bounds));
+            KVIO_CHECK(cudaEventRecord(job->done, s));
+        }
+        return cudaSuccess;
+    };
+    const cudaError_t err = prepare();
+    if (err != cudaSuccess) {
+        give_job_events(job.get());
+        return err;
+    }
+    if (capturing) {
+        job->issued = true;  // not shared with the thread yet
+        *job_out = job.release();
+        return cudaSuccess;
+    }
+    job->k_ptrs = k_ptrs;
+    job->v_ptrs = v_ptrs;
+    job->num_layers = num_layers;
+    job->host_base = host_base;
+    job->layout = layout;
+    job->host_idx.assign(host_idx_cpu, host_idx_cpu + n_tokens);
+    job->dev_idx = dev_idx;
+    job->dev_idx_64 = dev_idx_64;
+    job->staging = staging;
+    job->staging_bytes = staging_bytes;
+    job->use_batched = use_batched;
+    job->stream = s;
+    job->bounds = *bounds;
+    StagedJob* raw = job.release();
+    job_queue().push(raw);
+    *job_out = raw;
+    return cudaSuccess;
+}
+
+// The status of a job: kJobPending, cudaSuccess once everything it enqueued completed, or
+// the error that failed it.
+int job_status(StagedJob* job, bool wait) {
+    JobQueue& queue = job_queue();
+    if (wait) {
+        queue.wait_issued(job);
+    } else {
+        std::lock_guard<std::mutex> lock(queue.mutex);
+        if (!job->issued) return kJobPending;
+    }
+    if (job->error != cudaSuccess) return static_cast<int>(job->error);
+    if (job->done == nullptr) return cudaSuccess;  // nothing was enqueued
+    const cudaError_t err = wait ? cudaEventSynchronize(job->done) : cudaEventQuery(job->done);
+    if (err == cudaErrorNotReady) {
+        (void)cudaGetLastError();
+        return kJobPending;
+    }
+    if (err != cudaSuccess) (void)cudaGetLastError();
+    return static_cast<int>(err);
+}
+
 // A failed runtime call also leaves its (non-sticky) code in the runtime's last-error slot,
 // which the process may share with torch; the code is returned to the caller instead, so
 // the slot is cleared rather than blamed later on an unrelated launch.
@@ -1827,6 +2108,36 @@ KVIO_API int kvio_write_back_staged(const uint64_t* k_ptrs, const uint64_t* v_pt
                                   layout, host_idx_cpu, dev_idx, dev_idx_64, n_tokens, staging,
                                   staging_bytes, use_batched, stream, bounds));
 }
+
+KVIO_API int kvio_write_back_staged_async(const uint64_t* k_ptrs, const uint64_t* v_ptrs,
+                                          int32_t num_layers, void* host_base,
+                                          kvio_layout layout, const int64_t* host_idx_cpu,
+                                          const void* dev_idx, int dev_idx_64,
+                                          int64_t n_tokens, void* staging,
+                                          int64_t staging_bytes, int use_batched, void* stream,
+                                          void* after_stream, const kvio_bounds* bounds,
+                                          void** job) {
+    return finish(write_back_staged_async(k_ptrs, v_ptrs, num_layers, host_base, layout,
+                                          host_idx_cpu, dev_idx, dev_idx_64, n_tokens, staging,
+                                          staging_bytes, use_batched, stream, after_stream,
+                                          bounds, job));
+}
+
+KVIO_API int kvio_job_status(void* job) {
+    return job == nullptr ? static_cast<int>(cudaErrorInvalidValue)
+                          : job_status(static_cast<StagedJob*>(job), false);
+}
+
+KVIO_API int kvio_job_wait(void* job) {
+    return job == nullptr ? static_cast<int>(cudaErrorInvalidValue)
+                          : job_status(static_cast<StagedJob*>(job), true);
+}
+
+KVIO_API void kvio_job_release(void* job) {
+    if (job != nullptr) job_queue().release(static_cast<StagedJob*>(job));
+}
+
+KVIO_API void kvio_jobs_flush(void) { job_queue().flush(); }
 
 KVIO_API int kvio_load_all_staged(const uint64_t* k_ptrs, const uint64_t* v_ptrs,
                                   int32_t num_layers, void* host_base, kvio_layout layout,
