@@ -98,7 +98,16 @@ class TransferBackend(Protocol):
 
 
 #: ``runner(host_indices, device_indices, layer, stream, chained)``: what ``backend.run`` does
-#: for the job a :func:`runner_for` was prepared from, with these five fields replaced
+#: for the job a :func:`runner_for` was prepared from, with these five fields replaced.
+#:
+#: A write-back or all-layer runner may set ``runner.follows = True``: it then takes a sixth
+#: argument, ``after``, a stream whose work enqueued so far the transfer must follow (the
+#: controller's caller), and orders the transfer after it itself instead of the bound plan
+#: fencing ``stream`` first; without ``after`` the transfer must be on ``stream`` when the
+#: runner returns, as for any runner. Such a runner may return an object with ``query()``,
+#: ``synchronize()`` and ``check()`` (a transfer another thread issues,
+#: :class:`~kvcore.native_job.NativeJob`): the submission then takes it as its completion
+#: event instead of recording one on ``stream``.
 Runner = Callable[[torch.Tensor, torch.Tensor, "int | None", Any, bool], Any]
 
 

@@ -21,6 +21,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 import weakref
@@ -277,11 +278,19 @@ class HiCacheController:
                     t.record_stream(stream)
         members = range(len(self.members))
         if op is not Op.LOAD_LAYER or len(self.members) == 1:
-            # the first member's submit orders our stream after the caller's (after its
-            # index upload); the others follow it on our stream
-            return [self.bound[(i, op)].submit(h, d, stream=stream, check=False,
-                                               after=None if i else caller)
-                    for i in members]
+            # each member's submit orders its transfer after the caller's stream (after its
+            # index upload; a transfer a library thread issues records the point itself)
+            subs: list[Submission] = []
+            try:
+                for i in members:
+                    subs.append(self.bound[(i, op)].submit(h, d, stream=stream, check=False,
+                                                           after=caller))
+            except BaseException:
+                for sub in subs:  # what an earlier member queued must not outlive the call
+                    with contextlib.suppress(Exception):
+                        sub.synchronize()
+                raise
+            return subs
         # a group's per-layer load goes layer by layer across members, so layer 0 of every
         # member lands first (one member's signaled job would hold back the next member's);
         # the indices are placed once, not once per layer, on the caller's stream, which our

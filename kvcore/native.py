@@ -7,7 +7,9 @@ Vendor-neutral: it turns a :class:`~kvcore.backend.TransferJob` into the ABI's a
 
 from __future__ import annotations
 
+import ctypes
 import itertools
+import os
 import threading
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -29,8 +31,10 @@ from kvcore.native_abi import (
     KvioLayout,
     make_layout,
 )
+from kvcore.native_job import NativeJob, flush_at_exit
 from kvcore.signals import EventLayerSignals, LayerSignals
 from kvcore.streams import (
+    Fence,
     current_stream,
     has_streams,
     native_handle,
@@ -233,6 +237,8 @@ class NativeBackend:
         raw = self.stream_handle
         int64 = torch.int64
 
+        if op is Op.WRITE_BACK and variant == self.STAGED and self._async_write_back():
+            return self._staged_async_runner(job, k_ptrs, v_ptrs, host_base, layout)
         if op is not Op.LOAD_LAYER and variant == self.STAGED:
             staged = unchecked("kvio_write_back_staged" if op is Op.WRITE_BACK
                                else "kvio_load_all_staged")
@@ -322,6 +328,57 @@ class NativeBackend:
             return None  # CPU indices: the library refuses a bad one before enqueueing
 
         return run_dma
+
+    def _async_write_back(self) -> bool:
+        """Whether staged write-backs go through the library's thread: the library has the
+        functions, and ``KVCORE_ASYNC_WRITE_BACK`` is not ``0`` (for comparisons)."""
+        has = getattr(self.lib, "has_async_write_back", None)
+        return (has is not None and bool(has()) and hasattr(self.lib, "unchecked")
+                and os.environ.get("KVCORE_ASYNC_WRITE_BACK", "1") != "0")
+
+    def _staged_async_runner(self, job: TransferJob, k_ptrs: int | None, v_ptrs: int | None,
+                             host_base: int | None, layout: KvioLayout) -> Runner:
+        """The staged write-back runner that hands each transfer of at least
+        :data:`ASYNC_WRITE_BACK_MIN_BYTES` ordered after another stream (``after``: the
+        controller's caller) to the library's thread
+        (``kvio_write_back_staged_async``): the caller pays for the checks and the handover,
+        the thread for the runtime calls, and the returned :class:`NativeJob` tells its
+        completion. It orders the transfer after ``after`` itself (``follows``), so a bound
+        plan passes that stream instead of fencing. Without ``after`` (the plan API: the
+        transfer must be on ``stream`` when the submit returns) it is enqueued here."""
+        lib = self.lib
+        staged = lib.unchecked("kvio_write_back_staged_async")  # type: ignore[attr-defined]
+        enqueue = lib.unchecked("kvio_write_back_staged")  # type: ignore[attr-defined]
+        flush_at_exit(lib)
+        issue, raw, staging_of = self._reports().issue, self.stream_handle, self.staging
+        num_layers, batched = job.host_geometry.num_layers, int(self.use_batched)
+        host_tokens, device_tokens, op = job.host_geometry.size, job.device_pool.size, job.op
+        int64 = torch.int64
+        pool = job.device_pool
+        token_bytes = (2 if pool.v_ptrs is not None else 1) * num_layers * pool.element_bytes
+        handed_from = -(-ASYNC_WRITE_BACK_MIN_BYTES // token_bytes)  # tokens
+        fence = Fence(self.device)
+
+        def run_staged_async(h: torch.Tensor, d: torch.Tensor, layer: int | None,
+                             stream: Any, chained: bool,
+                             after: Any = None) -> NativeJob | BoundsCompletion:
+            s = raw(stream)
+            done = issue(host_tokens, device_tokens, op)
+            staging = staging_of(s)
+            args = (k_ptrs, v_ptrs, num_layers, host_base, layout, h.data_ptr() or None,
+                    d.data_ptr() or None, 1 if d.dtype is int64 else 0, h.numel(),
+                    staging.data_ptr(), staging.numel(), batched, s or None)
+            if after is None or h.numel() < handed_from:
+                if after is not None:  # small: issued here, after the caller's stream
+                    fence.order(stream, after)
+                enqueue(*args, done.bounds)
+                return done
+            out = ctypes.c_void_p()
+            staged(*args, raw(after) or None, done.bounds, ctypes.byref(out))
+            return NativeJob(lib, out.value or 0, done, (h, d, staging))
+
+        run_staged_async.follows = True  # type: ignore[attr-defined]
+        return run_staged_async
 
     def _layout(self, strides: ByteStrides) -> KvioLayout:
         """One validated C struct per host pool geometry, not per call; looked up by the
@@ -534,6 +591,11 @@ class BoundsCompletion:
                                      f"{int(w[value_at // 8])} (refused by the kernel, which "
                                      "moved no byte for it)", f"{self._op.value} at completion")
 
+
+#: a staged write-back through the controller of at least this many bytes is issued by the
+#: library's thread (``kvio_write_back_staged_async``): from here on its issue takes dozens
+#: of runtime calls (a pipeline of chunks), below it a few, which are cheaper than a handover
+ASYNC_WRITE_BACK_MIN_BYTES = 16 << 20
 
 #: pages (per K/V, over all layers) at least this large go through the staged write-back
 #: (and the staged all-layer load, where declared)

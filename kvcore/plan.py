@@ -343,9 +343,7 @@ class BoundPlan:
         s = stream if stream is not None else current_stream(self.device)
         device = self.device
         if fits(h, support.host_index, device) and fits(d, support.device_index, device):
-            if after is not None:
-                self._fence.order(s, after)
-            return self._enqueue(support, h, d, layer, s, chained)
+            return self._enqueue(support, h, d, layer, s, chained, after)
         segments: list[int] = []
         sub: Submission | None = None
         try:
@@ -354,14 +352,15 @@ class BoundPlan:
                 # CPU indices only: what they read the CPU wrote, so no need to follow `after`
                 h = self._place_on_stream(h, support.host_index, segments, s, ring_only=True)
                 d = self._place_on_stream(d, support.device_index, segments, s, ring_only=True)
-            if after is not None:  # before anything reads a tensor `after` may be writing
-                self._fence.order(s, after)
             if not (fits(h, support.host_index, device) and fits(d, support.device_index,
                                                                   device)):
+                if after is not None:  # before anything reads a tensor `after` may write
+                    self._fence.order(s, after)
+                    after = None
                 with on_stream(s):  # copies and allocations are ordered on the stream
                     h = self._place_on_stream(h, support.host_index, segments, s)
                     d = self._place_on_stream(d, support.device_index, segments, s)
-            sub = self._enqueue(support, h, d, layer, s, chained)
+            sub = self._enqueue(support, h, d, layer, s, chained, after)
         finally:  # the ring's slots are free once what read them (or nothing) completed
             if segments:
                 event = sub.event if sub is not None else recorded_event(device, s)
@@ -386,10 +385,18 @@ class BoundPlan:
         return t if ring_only else place(t, spec, self.device)
 
     def _enqueue(self, support: OpSupport, hp: torch.Tensor, dp: torch.Tensor,
-                 layer: int | None, s: Any, chained: bool) -> Submission:
+                 layer: int | None, s: Any, chained: bool, after: Any = None) -> Submission:
         run = self._runners[id(support)]
+        if after is not None and (self.op is Op.LOAD_LAYER or not getattr(run, "follows", False)):
+            self._fence.order(s, after)
+            after = None
         if self.op is not Op.LOAD_LAYER:
-            done = run(hp, dp, None, s, False)
+            done = (run(hp, dp, None, s, False) if after is None
+                    else run(hp, dp, None, s, False, after))
+            if _issued_later(done):  # its runner hands it to another thread: its own event
+                waits = dict.fromkeys(range(self.num_layers), done) \
+                    if self.op is Op.LOAD_ALL else {}
+                return Submission(waits, done, [(None, done)])
             event = recorded_event(self.device, s)
             waits = dict.fromkeys(range(self.num_layers), event) \
                 if self.op is Op.LOAD_ALL else {}
@@ -426,6 +433,13 @@ class BoundPlan:
         return TransferJob(op=self.op, support=support, device_pool=self.device_pool,
                            host_buffer=hp.buffer, host_geometry=hp.geometry,
                            host_strides=hp.strides, host_indices=none, device_indices=none)
+
+
+def _issued_later(done: Any) -> bool:
+    """Whether a runner's completion is a transfer issued by another thread (a
+    :class:`~kvcore.native_job.NativeJob`): it then tells completion itself, since an event
+    recorded on the stream now would come before the transfer's work."""
+    return hasattr(done, "query") and hasattr(done, "synchronize")
 
 
 def _stream_key(stream: Any) -> Any:

@@ -264,6 +264,10 @@ class WriteQueue:
         if self.health.lost is None:
             self.health.lost = self.rounds.broken
         if self._pending or self._doomed:
+            for p in (*self._pending, *self._doomed):  # a transfer another thread issues
+                if p.event is not None:
+                    with contextlib.suppress(Exception):
+                        p.event.synchronize()
             drain_stream(self.write_stream)
             self._pending.extend(self._doomed)
             self._doomed = []

@@ -64,6 +64,14 @@ def gen() -> torch.Generator:
     return torch.Generator().manual_seed(20261204)
 
 
+@pytest.fixture(params=["caller", "thread"])
+def handover(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Staged write-backs issued on the caller's thread, or all handed to the library's."""
+    monkeypatch.setattr("kvcore.native.ASYNC_WRITE_BACK_MIN_BYTES",
+                        1 << 62 if request.param == "caller" else 1)
+    return str(request.param)
+
+
 def _poll_until(ctl: HiCacheController, n: int, timeout_s: float = 30.0) -> list:
     acks: list = []
     deadline = time.monotonic() + timeout_s
@@ -77,7 +85,8 @@ def _poll_until(ctl: HiCacheController, n: int, timeout_s: float = 30.0) -> list
 @pytest.mark.parametrize("indices_on", ["device", "cpu"])
 @pytest.mark.parametrize(("kind", "layout"), CLAIMED)
 def test_controller_calls_never_synchronise(kind: Kind, layout: Layout, page: int,
-                                            indices_on: str, gen: torch.Generator) -> None:
+                                            indices_on: str, gen: torch.Generator,
+                                            handover: str) -> None:
     dev, host = _pools(kind, layout, page, gen)
     ctl = HiCacheController(dev, host)
     source = [t.clone() for t in dev.all_buffers()]
@@ -106,8 +115,8 @@ def test_controller_calls_never_synchronise(kind: Kind, layout: Layout, page: in
 
 
 @pytest.mark.parametrize("layout", [Layout.PAGE_FIRST, Layout.LAYER_FIRST])
-def test_calls_return_while_the_callers_stream_is_busy(layout: Layout,
-                                                       gen: torch.Generator) -> None:
+def test_calls_return_while_the_callers_stream_is_busy(layout: Layout, gen: torch.Generator,
+                                                       handover: str) -> None:
     dev, host = _pools(Kind.MHA, layout, 64, gen)
     ctl = HiCacheController(dev, host)
     src = _tokens(torch.randperm(DEVICE_PAGES, generator=gen)[:4], 64).to(DEVICE)
@@ -162,7 +171,7 @@ def test_the_plan_api_refuses_pools_it_was_not_resolved_for(gen: torch.Generator
 @pytest.mark.parametrize("bad", [-3, DEVICE_PAGES * 64 + 5])
 @pytest.mark.parametrize("layout", [Layout.PAGE_FIRST, Layout.LAYER_FIRST])
 def test_a_bad_device_index_fails_the_write_at_completion_and_touches_nothing_else(
-        layout: Layout, bad: int, page: int, gen: torch.Generator) -> None:
+        layout: Layout, bad: int, page: int, gen: torch.Generator, handover: str) -> None:
     dev, host = _pools(Kind.MHA, layout, page, gen)
     ctl = HiCacheController(dev, host)
     device_before = [t.clone() for t in dev.all_buffers()]
@@ -173,7 +182,8 @@ def test_a_bad_device_index_fails_the_write_at_completion_and_touches_nothing_el
     ack = ctl.write(src)  # a device-resident index is not copied back to be checked
     torch.cuda.synchronize()
     with pytest.raises(TransferFailed) as err:
-        ctl.poll_acks()
+        # a write-back the library's thread issues completes after the device sync's point
+        assert _poll_until(ctl, 1) == [], "a write with a bad index was acknowledged"
     assert isinstance(err.value.cause, InvalidIndices)
     assert "device_indices" in str(err.value) and str(bad) in str(err.value)
     assert ctl.allocator.available_size() == free_before  # its host slots were released
@@ -231,3 +241,38 @@ def _host_slots_outside(host: HostPool, named: torch.Tensor) -> torch.Tensor:
     view[:, :, per_token] = 1
     byte_marks = marks.view(-1).repeat_interleave(host.buffer.element_size())
     return (byte_marks == 0).view(host.buffer.view(torch.uint8).shape)
+
+
+@pytest.mark.parametrize("caller", ["default", "side"])
+@pytest.mark.parametrize(("kind", "layout"), [(Kind.MHA, Layout.PAGE_FIRST),
+                                              (Kind.MLA, Layout.PAGE_FIRST),
+                                              (Kind.MHA, Layout.LAYER_FIRST)])
+def test_a_write_copies_what_the_callers_stream_wrote_before_the_call(
+        kind: Kind, layout: Layout, caller: str, gen: torch.Generator, handover: str) -> None:
+    """A staged write-back is issued by the library's thread later: it must still follow the
+    caller's stream up to the call, and a burst of writes must each land where its ack says."""
+    dev, host = _pools(kind, layout, 64, gen)
+    ctl = HiCacheController(dev, host)
+    stream = torch.cuda.default_stream() if caller == "default" else torch.cuda.Stream()
+    pages = torch.randperm(DEVICE_PAGES, generator=gen)[:12]
+    fresh = [torch.empty_like(t) for t in dev.all_buffers()]
+    for t in fresh:
+        random_fill(t, gen)
+    torch.cuda.synchronize()
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(20_000_000)  # the new values land long after write() returned
+        for t, new in zip(dev.all_buffers(), fresh, strict=True):
+            t.copy_(new)
+        acks = [ctl.write(_tokens(pages[i:i + 3].to(DEVICE), 64)) for i in range(0, 12, 3)]
+    done = ctl.wait_acks()
+    assert [a.id for a in done] == [a.id for a in acks]
+    # read each ack's host pages back into pages no write read from (the load is checked
+    # against the reference elsewhere): they must hold the values written after the sleep
+    spare = torch.tensor([p for p in range(DEVICE_PAGES) if p not in pages.tolist()][:3])
+    dst = _tokens(spare.to(DEVICE), 64)
+    for ack in done:
+        ctl.load(ack.host_indices, dst, all_layers=True).wait()
+        torch.cuda.synchronize()
+        for now, new in zip(dev.all_buffers(), fresh, strict=True):
+            assert torch.equal(now[dst].view(torch.uint8),
+                               new[ack.device_indices].view(torch.uint8))
