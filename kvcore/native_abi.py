@@ -187,6 +187,19 @@ def _flag(name: str, value: Any) -> int:
     return 1 if _int(name, value, _INT64) else 0
 
 
+def _staged_args(k_ptrs: int, v_ptrs: int | None, num_layers: int, host_base: int,
+                 layout: KvioLayout | Mapping[str, int], host_idx_cpu: int, dev_idx: int,
+                 dev_idx_64: int, n_tokens: int, staging: int, staging_bytes: int,
+                 use_batched: int | bool, stream: int | None) -> tuple[Any, ...]:
+    """The checked arguments the staged transfers share, up to their stream."""
+    return (_ptr("k_ptrs", k_ptrs), _ptr("v_ptrs", v_ptrs),
+            _int("num_layers", num_layers, _INT32), _ptr("host_base", host_base),
+            make_layout(layout), _ptr("host_idx_cpu", host_idx_cpu), _ptr("dev_idx", dev_idx),
+            _flag("dev_idx_64", dev_idx_64), _int("n_tokens", n_tokens, _INT64),
+            _ptr("staging", staging), _int("staging_bytes", staging_bytes, _INT64),
+            _flag("use_batched", use_batched), _ptr("stream", stream))
+
+
 _c = ctypes
 _BOUNDS_P = ctypes.POINTER(KvioBounds)
 #: name -> (restype, argtypes) of every function the library exports
@@ -522,8 +535,8 @@ class NativeLibrary:
         ``stream`` by a library thread after the work enqueued on ``after_stream`` until this
         call (equal to ``stream``: nothing more than stream order). Checks its arguments as
         :meth:`write_back_staged` does, with the same errors, before handing anything over;
-        returns the job handle for
-        :meth:`job_status` and :meth:`job_wait`, to be given back with :meth:`job_release`.
+        returns the job handle for :meth:`job_status` and :meth:`job_wait`, to be given back
+        with :meth:`job_release`.
         The host indices are copied; ``dev_idx``, ``staging`` and the pools must stay valid
         until the job finished. Raises BuildError when the library lacks the functions.
         """
@@ -532,19 +545,8 @@ class NativeLibrary:
                              f"and its job functions (rebuild the {self.name} library)")
         job = ctypes.c_void_p()
         status = self._lib.kvio_write_back_staged_async(
-            _ptr("k_ptrs", k_ptrs),
-            _ptr("v_ptrs", v_ptrs),
-            _int("num_layers", num_layers, _INT32),
-            _ptr("host_base", host_base),
-            make_layout(layout),
-            _ptr("host_idx_cpu", host_idx_cpu),
-            _ptr("dev_idx", dev_idx),
-            _flag("dev_idx_64", dev_idx_64),
-            _int("n_tokens", n_tokens, _INT64),
-            _ptr("staging", staging),
-            _int("staging_bytes", staging_bytes, _INT64),
-            _flag("use_batched", use_batched),
-            _ptr("stream", stream),
+            *_staged_args(k_ptrs, v_ptrs, num_layers, host_base, layout, host_idx_cpu, dev_idx,
+                          dev_idx_64, n_tokens, staging, staging_bytes, use_batched, stream),
             _ptr("after_stream", after_stream),
             _bounds(bounds),
             ctypes.byref(job),
@@ -592,19 +594,8 @@ class NativeLibrary:
                 staging_bytes: int, use_batched: int | bool, stream: int | None,
                 bounds: KvioBounds | None) -> None:
         status = getattr(self._lib, function)(
-            _ptr("k_ptrs", k_ptrs),
-            _ptr("v_ptrs", v_ptrs),
-            _int("num_layers", num_layers, _INT32),
-            _ptr("host_base", host_base),
-            make_layout(layout),
-            _ptr("host_idx_cpu", host_idx_cpu),
-            _ptr("dev_idx", dev_idx),
-            _flag("dev_idx_64", dev_idx_64),
-            _int("n_tokens", n_tokens, _INT64),
-            _ptr("staging", staging),
-            _int("staging_bytes", staging_bytes, _INT64),
-            _flag("use_batched", use_batched),
-            _ptr("stream", stream),
+            *_staged_args(k_ptrs, v_ptrs, num_layers, host_base, layout, host_idx_cpu, dev_idx,
+                          dev_idx_64, n_tokens, staging, staging_bytes, use_batched, stream),
             _bounds(bounds),
         )
         self.check(function, status)
