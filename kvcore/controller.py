@@ -169,6 +169,11 @@ class HiCacheController:
         Host pages are allocated here unless ``host_indices`` is given. The returned record
         is a promise: pages count as backed up only once :meth:`poll_acks` or
         :meth:`wait_acks` returns it.
+
+        The copy reads the device pages as the caller's current stream leaves them at this
+        call; the caller must not overwrite them before the acknowledgement. A backend may
+        issue large write-backs from a thread of its own (kvio_cuda: 16 MiB and more), so a
+        device synchronize does not mean the write completed: :meth:`wait_acks` does.
         """
         with self._lock:
             self._health.check()
