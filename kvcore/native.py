@@ -237,8 +237,6 @@ class NativeBackend:
         raw = self.stream_handle
         int64 = torch.int64
 
-        if op is Op.WRITE_BACK and variant == self.STAGED and self._async_write_back():
-            return self._staged_async_runner(job, k_ptrs, v_ptrs, host_base, layout)
         if op is not Op.LOAD_LAYER and variant == self.STAGED:
             staged = unchecked("kvio_write_back_staged" if op is Op.WRITE_BACK
                                else "kvio_load_all_staged")
@@ -254,6 +252,9 @@ class NativeBackend:
                        staging.data_ptr(), staging.numel(), batched, s or None, done.bounds)
                 return done
 
+            if op is Op.WRITE_BACK and self._async_write_back():
+                return self._staged_async_runner(job, run_staged, k_ptrs, v_ptrs, host_base,
+                                                 layout)
             return run_staged
         if op is Op.LOAD_LAYER and variant == self.DMA and \
                 "kvio_load_layer_dma" in getattr(self.lib, "optional", ()):
@@ -333,11 +334,12 @@ class NativeBackend:
         """Whether staged write-backs go through the library's thread: the library has the
         functions, and ``KVCORE_ASYNC_WRITE_BACK`` is not ``0`` (for comparisons)."""
         has = getattr(self.lib, "has_async_write_back", None)
-        return (has is not None and bool(has()) and hasattr(self.lib, "unchecked")
+        return (has is not None and bool(has())
                 and os.environ.get("KVCORE_ASYNC_WRITE_BACK", "1") != "0")
 
-    def _staged_async_runner(self, job: TransferJob, k_ptrs: int | None, v_ptrs: int | None,
-                             host_base: int | None, layout: KvioLayout) -> Runner:
+    def _staged_async_runner(self, job: TransferJob, run_staged: Runner, k_ptrs: int | None,
+                             v_ptrs: int | None, host_base: int | None,
+                             layout: KvioLayout) -> Runner:
         """The staged write-back runner that hands each transfer of at least
         :data:`ASYNC_WRITE_BACK_MIN_BYTES` ordered after another stream (``after``: the
         controller's caller) to the library's thread
@@ -345,10 +347,10 @@ class NativeBackend:
         the thread for the runtime calls, and the returned :class:`NativeJob` tells its
         completion. It orders the transfer after ``after`` itself (``follows``), so a bound
         plan passes that stream instead of fencing. Without ``after`` (the plan API: the
-        transfer must be on ``stream`` when the submit returns) it is enqueued here."""
+        transfer must be on ``stream`` when the submit returns), or below that size,
+        ``run_staged`` (the synchronous runner) enqueues it here."""
         lib = self.lib
         staged = lib.unchecked("kvio_write_back_staged_async")  # type: ignore[attr-defined]
-        enqueue = lib.unchecked("kvio_write_back_staged")  # type: ignore[attr-defined]
         flush_at_exit(lib)
         issue, raw, staging_of = self._reports().issue, self.stream_handle, self.staging
         num_layers, batched = job.host_geometry.num_layers, int(self.use_batched)
@@ -362,19 +364,18 @@ class NativeBackend:
         def run_staged_async(h: torch.Tensor, d: torch.Tensor, layer: int | None,
                              stream: Any, chained: bool,
                              after: Any = None) -> NativeJob | BoundsCompletion:
-            s = raw(stream)
-            done = issue(host_tokens, device_tokens, op)
-            staging = staging_of(s)
-            args = (k_ptrs, v_ptrs, num_layers, host_base, layout, h.data_ptr() or None,
-                    d.data_ptr() or None, 1 if d.dtype is int64 else 0, h.numel(),
-                    staging.data_ptr(), staging.numel(), batched, s or None)
             if after is None or h.numel() < handed_from:
                 if after is not None:  # small: issued here, after the caller's stream
                     fence.order(stream, after)
-                enqueue(*args, done.bounds)
-                return done
+                return run_staged(h, d, layer, stream, chained)  # type: ignore[no-any-return]
+            s = raw(stream)
+            done = issue(host_tokens, device_tokens, op)
+            staging = staging_of(s)
             out = ctypes.c_void_p()
-            staged(*args, raw(after) or None, done.bounds, ctypes.byref(out))
+            staged(k_ptrs, v_ptrs, num_layers, host_base, layout, h.data_ptr() or None,
+                   d.data_ptr() or None, 1 if d.dtype is int64 else 0, h.numel(),
+                   staging.data_ptr(), staging.numel(), batched, s or None,
+                   raw(after) or None, done.bounds, ctypes.byref(out))
             return NativeJob(lib, out.value or 0, done, (h, d, staging))
 
         run_staged_async.follows = True  # type: ignore[attr-defined]
