@@ -1863,6 +1863,28 @@ void give_job_events(const StagedJob* job) {
     }
 }
 
+// Issues a job's transfer on its stream, after its order point, then records its completion
+// after whatever was enqueued (so a completion is never reported while a part of the
+// transfer may still run). `host_idx`: the job's own copy, or the caller's array where the
+// caller issues it.
+cudaError_t issue_staged_job(const StagedJob& job, const int64_t* host_idx, int64_t n_tokens) {
+    cudaError_t err = cudaSetDevice(job.device);
+    if (err == cudaSuccess && job.after != nullptr) {
+        err = cudaStreamWaitEvent(job.stream, job.after, 0);
+    }
+    if (err == cudaSuccess) {
+        err = transfer_staged(kDeviceToHost, job.k_ptrs, job.v_ptrs, job.num_layers,
+                              job.host_base, job.layout, host_idx, job.dev_idx, job.dev_idx_64,
+                              n_tokens, job.staging, job.staging_bytes, job.use_batched,
+                              job.stream, &job.bounds);
+    }
+    const cudaError_t recorded = cudaEventRecord(job.done, job.stream);
+    if (err != cudaSuccess || recorded != cudaSuccess) {
+        (void)cudaGetLastError();
+    }
+    return err != cudaSuccess ? err : recorded;
+}
+
 class JobQueue {
   public:
     void push(StagedJob* job) {
@@ -1915,7 +1937,8 @@ class JobQueue {
                 jobs_.pop_front();
                 busy_ = true;
             }
-            const cudaError_t err = issue(job);
+            const cudaError_t err = issue_staged_job(
+                *job, job->host_idx.data(), static_cast<int64_t>(job->host_idx.size()));
             bool free_now;
             {
                 std::lock_guard<std::mutex> lock(mutex);
@@ -1927,28 +1950,6 @@ class JobQueue {
             issued_.notify_all();
             if (free_now) destroy(job);
         }
-    }
-
-    static cudaError_t issue(StagedJob* job) {
-        cudaError_t err = cudaSetDevice(job->device);
-        if (err == cudaSuccess && job->after != nullptr) {
-            err = cudaStreamWaitEvent(job->stream, job->after, 0);
-        }
-        if (err == cudaSuccess) {
-            err = transfer_staged(kDeviceToHost, job->k_ptrs, job->v_ptrs, job->num_layers,
-                                  job->host_base, job->layout, job->host_idx.data(),
-                                  job->dev_idx, job->dev_idx_64,
-                                  static_cast<int64_t>(job->host_idx.size()), job->staging,
-                                  job->staging_bytes, job->use_batched, job->stream,
-                                  &job->bounds);
-        }
-        // after whatever was enqueued, so a completion is never reported while a part of
-        // the transfer may still run
-        const cudaError_t recorded = cudaEventRecord(job->done, job->stream);
-        if (err != cudaSuccess || recorded != cudaSuccess) {
-            (void)cudaGetLastError();
-        }
-        return err != cudaSuccess ? err : recorded;
     }
 
     std::deque<StagedJob*> jobs_;
@@ -1994,25 +1995,28 @@ cudaError_t write_back_staged_async(const uint64_t* k_ptrs, const uint64_t* v_pt
     KVIO_CHECK(guard.enter(s));
     auto job = std::make_unique<StagedJob>();
     job->device = guard.device();
+    job->k_ptrs = k_ptrs;
+    job->v_ptrs = v_ptrs;
+    job->num_layers = num_layers;
+    job->host_base = host_base;
+    job->layout = layout;
+    job->dev_idx = dev_idx;
+    job->dev_idx_64 = dev_idx_64;
+    job->staging = staging;
+    job->staging_bytes = staging_bytes;
+    job->use_batched = use_batched;
+    job->stream = s;
+    job->bounds = *bounds;
     // Everything that can fail before the job is handed over; its events go back on failure.
+    // A stream being captured is recorded on the capturing thread: the transfer is issued
+    // here, and the job only reports its completion.
     auto prepare = [&]() -> cudaError_t {
         KVIO_CHECK(take_job_event(job->device, &job->done));
         if (after != s) {
             KVIO_CHECK(take_job_event(job->device, &job->after));
             KVIO_CHECK(cudaEventRecord(job->after, after));
         }
-        if (capturing) {
-            // A stream being captured is recorded on the capturing thread: the transfer is
-            // issued here, and the job only reports its completion.
-            if (job->after != nullptr) {
-                KVIO_CHECK(cudaStreamWaitEvent(s, job->after, 0));
-            }
-            KVIO_CHECK(transfer_staged(kDeviceToHost, k_ptrs, v_ptrs, num_layers, host_base,
-                                       layout, host_idx_cpu, dev_idx, dev_idx_64, n_tokens,
-                                       staging, staging_bytes, use_batched, stream, bounds));
-            KVIO_CHECK(cudaEventRecord(job->done, s));
-        }
-        return cudaSuccess;
+        return capturing ? issue_staged_job(*job, host_idx_cpu, n_tokens) : cudaSuccess;
     };
     const cudaError_t err = prepare();
     if (err != cudaSuccess) {
@@ -2024,19 +2028,7 @@ cudaError_t write_back_staged_async(const uint64_t* k_ptrs, const uint64_t* v_pt
         *job_out = job.release();
         return cudaSuccess;
     }
-    job->k_ptrs = k_ptrs;
-    job->v_ptrs = v_ptrs;
-    job->num_layers = num_layers;
-    job->host_base = host_base;
-    job->layout = layout;
     job->host_idx.assign(host_idx_cpu, host_idx_cpu + n_tokens);
-    job->dev_idx = dev_idx;
-    job->dev_idx_64 = dev_idx_64;
-    job->staging = staging;
-    job->staging_bytes = staging_bytes;
-    job->use_batched = use_batched;
-    job->stream = s;
-    job->bounds = *bounds;
     StagedJob* raw = job.release();
     job_queue().push(raw);
     *job_out = raw;
