@@ -13,6 +13,8 @@
 # The seed bench stops starting cases SEED_MARGIN_S (default 60) before the deadline; the
 # pure-torch reference is slow: SEED_REFERENCE_REPEAT=1 times its rows by their oracle call
 # alone (then the whole table with the reference took 457 s on an H200).
+# probe_tma: the standalone TMA-against-loads probe (scripts/probe_tma_h2d.cu).
+# submit_cost: cProfile of controller calls, once per page count in SUBMIT_PAGES.
 # probe: scripts/probe_layer_load.py once per kernel build setting in PROBE_TUNES
 # (';'-separated KVIO_CUDA_TUNE values, '' = the shipped defaults). probe_h2d: the standalone
 # copy-path probe (scripts/probe_h2d_paths.cu). issue: Python's cost per per-layer call.
@@ -91,6 +93,11 @@ probe_h2d)
     step probe_h2d 240 "$R/probe_h2d"
     rm -f "$R/probe_h2d"
     ;;
+probe_tma)  # SM bulk copies (TMA) from pinned memory against vector loads (scripts/probe_tma_h2d.cu)
+    step probe_tma_build 120 nvcc -O3 -std=c++17 -arch=sm_90a -o "$R/probe_tma" scripts/probe_tma_h2d.cu
+    step probe_tma 240 "$R/probe_tma"
+    rm -f "$R/probe_tma"
+    ;;
 issue)
     step issue_cost 90 $PY scripts/probe_issue_cost.py
     ;;
@@ -104,7 +111,9 @@ queue_gap)  # a queue of per-layer loads with parts of the path taken away (scri
     step queue_gap 120 $PY scripts/probe_queue_gap.py
     ;;
 submit_cost)  # where the CPU time of one controller call goes (cProfile)
-    step submit_cost 120 $PY scripts/probe_submit_cost.py
+    for pages in ${SUBMIT_PAGES:-1}; do
+        step "submit_cost_${pages}p" 120 $PY scripts/probe_submit_cost.py --pages "$pages" --calls "${SUBMIT_CALLS:-400}"
+    done
     ;;
 dma)
     IFS=';' read -r -a tunes <<< "${DMA_TUNES:-}"
