@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import ctypes
 import operator
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import Any
 
-from kvcore.errors import BuildError, InvalidArgument, KernelError
+from kvcore.errors import BuildError, DeviceFault, InvalidArgument, KernelError
 
 __all__ = ["ABI_HEADER", "ABI_VERSION", "ASYNC_WRITE_FUNCTIONS", "INCLUDE_DIR", "JOB_PENDING",
            "REPORT_BYTES", "KvioBounds",
@@ -332,6 +332,9 @@ class NativeLibrary:
     ``NativeLibrary(path, runtime="cuda", name="kvio_cuda")`` loads ``path`` with ctypes,
     binds every function's prototype and checks the ABI version. ``runtime`` labels the status
     codes in error messages (``"cuda error 700"``), ``name`` names the library in load errors.
+    ``sticky_codes``: the runtime's status codes after which the device context is lost (an
+    illegal address, a kernel exception): :meth:`check` raises them as DeviceFault, which
+    marks a controller unusable, and every other nonzero code as KernelError.
     ``lib=`` substitutes an already loaded or fake library object (tests): every function must
     be there; ctypes function pointers get the prototypes, Python stand-ins are called with the
     same checked plain values (ints, None for NULL, the KvioLayout, and last the KvioBounds,
@@ -344,10 +347,11 @@ class NativeLibrary:
     """
 
     def __init__(self, path: Path | str | None = None, *, runtime: str, name: str,
-                 lib: Any = None) -> None:
+                 lib: Any = None, sticky_codes: Collection[int] = ()) -> None:
         self.path = Path(path) if path is not None else None
         self.runtime = runtime
         self.name = name
+        self.sticky_codes = frozenset(sticky_codes)
         if lib is None:
             if path is None:
                 raise InvalidArgument("path", f"the path of the {name} library", "None")
@@ -429,11 +433,17 @@ class NativeLibrary:
         return str(raw)
 
     def check(self, function: str, status: Any) -> None:
-        """Raise KernelError for a nonzero ``status`` returned by ``function``."""
+        """Raise for a nonzero ``status`` returned by ``function``: DeviceFault for one of
+        :attr:`sticky_codes` (the process must be restarted to use the device again),
+        KernelError for any other."""
         code = int(status)
-        if code != 0:
-            raise KernelError(f"{function}: {self.error_string(code)} "
-                              f"({self.runtime} error {code})", code=code)
+        if code == 0:
+            return
+        message = f"{function}: {self.error_string(code)} ({self.runtime} error {code})"
+        if code in self.sticky_codes:
+            raise DeviceFault(f"{message}; a sticky fault: every later call on this device "
+                              "fails the same way until the process restarts", code=code)
+        raise KernelError(message, code=code)
 
     def unchecked(self, function: str,
                   last: Callable[[], Any] | None = None) -> Callable[..., None]:

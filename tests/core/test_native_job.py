@@ -11,7 +11,13 @@ from typing import Any
 import pytest
 import torch
 
-from kvcore.errors import InvalidIndices, KernelError, TransferFailed
+from kvcore.errors import (
+    ControllerUnusable,
+    DeviceFault,
+    InvalidIndices,
+    KernelError,
+    TransferFailed,
+)
 from kvcore.layout import Op
 from kvcore.native import NativeBackend
 from kvcore.native_abi import JOB_PENDING, KvioBounds
@@ -246,6 +252,66 @@ def test_a_write_whose_job_failed_is_never_acknowledged_and_its_slots_are_releas
         q.drain(block=False)
     assert [a.id for a in q.drain(block=False)] == [0]
     assert alloc.available_size() == free - 4
+
+
+def test_a_sticky_fault_of_a_job_marks_the_controller_lost_and_fails_the_later_writes() -> None:
+    from kvcore.native_abi import NativeLibrary
+
+    alloc = SlotAllocator(16 * 4, 4)
+    health = Health()
+    q = WriteQueue(alloc, None, health)
+    lib = JobLibrary()
+    binding = NativeLibrary(runtime="cuda", name="kvio_cuda", lib=_abi_stand_in(),
+                            sticky_codes={700})
+    lib.check = binding.check  # type: ignore[method-assign]  # the real mapping of codes
+    free = alloc.available_size()
+    first, first_handle = _job(lib)
+    second, second_handle = _job(lib)
+    q.add(alloc.alloc(4), torch.arange(4), first, [first], True)
+    q.add(alloc.alloc(4), torch.arange(4), second, [second], True)
+    lib.status[first_handle] = lib.status[second_handle] = 700
+    with pytest.raises(TransferFailed, match=r"cuda error 700.*sticky") as err:
+        q.drain(block=False)
+    assert isinstance(err.value.cause, DeviceFault)
+    assert health.lost is err.value.cause
+    with pytest.raises(ControllerUnusable, match="device fault"):
+        health.check()
+    with pytest.raises(ControllerUnusable, match="1 queued write-backs were dropped"):
+        q.drain(block=True)  # the second is abandoned, never acknowledged
+    assert len(q) == 0 and alloc.available_size() == free
+
+
+def test_a_job_failing_with_an_ordinary_error_leaves_the_controller_usable() -> None:
+    from kvcore.native_abi import NativeLibrary
+
+    alloc = SlotAllocator(16 * 4, 4)
+    health = Health()
+    q = WriteQueue(alloc, None, health)
+    lib = JobLibrary()
+    binding = NativeLibrary(runtime="cuda", name="kvio_cuda", lib=_abi_stand_in(),
+                            sticky_codes={700})
+    lib.check = binding.check  # type: ignore[method-assign]
+    job, handle = _job(lib)
+    q.add(alloc.alloc(4), torch.arange(4), job, [job], True)
+    lib.status[handle] = 2  # out of memory: this transfer failed, the device did not
+    with pytest.raises(TransferFailed) as err:
+        q.drain(block=False)
+    assert type(err.value.cause) is KernelError
+    assert health.lost is None
+    health.check()
+
+
+def _abi_stand_in() -> Any:
+    """The ABI's required functions, enough to bind a NativeLibrary for its checks."""
+    import types
+
+    from kvcore.native_abi import ABI_VERSION
+
+    return types.SimpleNamespace(
+        kvio_abi_version=lambda: ABI_VERSION, kvio_has_batched_memcpy=lambda: 0,
+        kvio_error_string=lambda code: b"an illegal memory access was encountered"
+        if code.value == 700 else b"out of memory",
+        kvio_transfer_direct=lambda *a: 0, kvio_write_back_staged=lambda *a: 0)
 
 
 # -- the bound plan -----------------------------------------------------------------------

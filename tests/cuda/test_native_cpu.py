@@ -17,7 +17,7 @@ import pytest
 from kvio_cuda import _native, build
 
 from kvcore import buildcache
-from kvcore.errors import BuildError, InvalidArgument, KernelError
+from kvcore.errors import BuildError, DeviceFault, InvalidArgument, KernelError
 from kvcore.native_abi import (
     ABI_VERSION,
     OPTIONAL_PROTOTYPES,
@@ -633,15 +633,23 @@ def test_a_library_without_the_optional_dma_load_still_binds_and_says_so() -> No
 
 
 @pytest.mark.parametrize(
-    ("code", "message"),
-    [(700, "kvio_transfer_direct: an illegal memory access was encountered (cuda error 700)"),
-     (1, "kvio_transfer_direct: invalid argument (cuda error 1)"),
-     (12345, "kvio_transfer_direct: unrecognized error code (cuda error 12345)")],
+    ("code", "message", "error"),
+    [(700, "kvio_transfer_direct: an illegal memory access was encountered (cuda error 700); "
+      "a sticky fault: every later call on this device fails the same way until the process "
+      "restarts", DeviceFault),
+     (719, "kvio_transfer_direct: unrecognized error code (cuda error 719); a sticky fault: "
+      "every later call on this device fails the same way until the process restarts",
+      DeviceFault),
+     (1, "kvio_transfer_direct: invalid argument (cuda error 1)", KernelError),
+     (12345, "kvio_transfer_direct: unrecognized error code (cuda error 12345)", KernelError)],
 )
-def test_error_translation(code: int, message: str) -> None:
+def test_error_translation(code: int, message: str, error: type[KernelError]) -> None:
+    """A sticky fault (the context is lost) is a DeviceFault, which marks a controller
+    unusable; any other status a KernelError of that call alone."""
     lib = _native.NativeLibrary("fake.so", lib=FakeLib(status=code))
     with pytest.raises(KernelError) as info:
         lib.transfer_direct(1, 1, 2, 0, 1, 3, LAYOUT, 4, 0, 5, 0, 64, 0)
+    assert type(info.value) is error
     assert str(info.value) == message
     assert info.value.code == code
 

@@ -21,7 +21,7 @@ from kvio_rocm.probe import probe as rocm_probe
 
 from kvcore import native_abi
 from kvcore.buildcache import files_digest
-from kvcore.errors import BuildError, InvalidArgument, KernelError
+from kvcore.errors import BuildError, DeviceFault, InvalidArgument, KernelError
 from kvcore.layout import Geometry, Kind, Layout, byte_strides
 from kvcore.native import layout_fields
 from kvcore.native_abi import ABI_HEADER, ABI_VERSION, INCLUDE_DIR
@@ -418,17 +418,23 @@ def test_write_back_staged_marshalling_and_null_pointers() -> None:
     assert args[5:12] == (0x5000, 0x6000, 1, 16, 0x7000, 1 << 20, 1)
 
 
-def test_nonzero_status_becomes_kernel_error() -> None:
+def test_nonzero_status_becomes_kernel_error_and_a_sticky_one_a_device_fault() -> None:
     lib = NativeLibrary(lib=FakeLib(status=700))
-    with pytest.raises(KernelError) as err:
+    with pytest.raises(DeviceFault) as err:
         lib.transfer_direct(0, 1, 2, 0, 3, 4, layout_of(G, 2), 5, 1, 6, 1, 8, 0)
     assert err.value.code == 700
     assert str(err.value) == ("kvio_transfer_direct: an illegal memory access was encountered "
-                              "(hip error 700)")
+                              "(hip error 700); a sticky fault: every later call on this "
+                              "device fails the same way until the process restarts")
+    for sticky in (702, 710, 719):
+        with pytest.raises(DeviceFault, match=f"hip error {sticky}"):
+            NativeLibrary(lib=FakeLib(status=sticky)).transfer_direct(
+                0, 1, 2, 0, 3, 4, layout_of(G, 2), 5, 1, 6, 1, 8, 0)
     lib = NativeLibrary(lib=FakeLib(status=1))
     with pytest.raises(KernelError, match=r"^kvio_write_back_staged: invalid argument "
-                                          r"\(hip error 1\)$"):
+                                          r"\(hip error 1\)$") as plain:
         lib.write_back_staged(1, 2, 3, 4, layout_of(G, 2), 5, 6, 1, 8, 7, 8, 0, 0)
+    assert not isinstance(plain.value, DeviceFault)
 
 
 def test_library_facts_through_the_binding() -> None:
