@@ -337,6 +337,16 @@ class NativeBackend:
         return (has is not None and bool(has())
                 and os.environ.get("KVCORE_ASYNC_WRITE_BACK", "1") != "0")
 
+    def _inline_write_back(self) -> bool:
+        """Whether staged write-backs too small for the thread are issued as inline jobs
+        (``kvio_write_back_staged_inline``): the library has the function and
+        ``KVCORE_ASYNC_WRITE_BACK`` is ``inline``. An experiment until measured on a GPU: the
+        caller's order point and the completion event are then made by the library in the
+        same call, instead of a fence and an event through torch."""
+        has = getattr(self.lib, "has_inline_write_back", None)
+        return (has is not None and bool(has())
+                and os.environ.get("KVCORE_ASYNC_WRITE_BACK", "1") == "inline")
+
     def _staged_async_runner(self, job: TransferJob, run_staged: Runner, k_ptrs: int | None,
                              v_ptrs: int | None, host_base: int | None,
                              layout: KvioLayout) -> Runner:
@@ -348,9 +358,13 @@ class NativeBackend:
         completion. It orders the transfer after ``after`` itself (``follows``), so a bound
         plan passes that stream instead of fencing. Without ``after`` (the plan API: the
         transfer must be on ``stream`` when the submit returns), or below that size,
-        ``run_staged`` (the synchronous runner) enqueues it here."""
+        ``run_staged`` (the synchronous runner) enqueues it here; below that size with
+        ``after``, an inline job (:meth:`_inline_write_back`) where enabled."""
         lib = self.lib
-        staged = lib.unchecked("kvio_write_back_staged_async")  # type: ignore[attr-defined]
+        unchecked = lib.unchecked  # type: ignore[attr-defined]
+        handed = unchecked("kvio_write_back_staged_async")
+        inline = (unchecked("kvio_write_back_staged_inline") if self._inline_write_back()
+                  else None)
         flush_at_exit(lib)
         issue, raw, staging_of = self._reports().issue, self.stream_handle, self.staging
         num_layers, batched = job.host_geometry.num_layers, int(self.use_batched)
@@ -364,19 +378,24 @@ class NativeBackend:
         def run_staged_async(h: torch.Tensor, d: torch.Tensor, layer: int | None,
                              stream: Any, chained: bool,
                              after: Any = None) -> NativeJob | BoundsCompletion:
-            if after is None or h.numel() < handed_from:
-                if after is not None:  # small: issued here, after the caller's stream
-                    fence.order(stream, after)
+            if after is None:
+                return run_staged(h, d, layer, stream, chained)  # type: ignore[no-any-return]
+            if h.numel() >= handed_from:
+                call, name = handed, "kvio_write_back_staged_async"
+            elif inline is not None:
+                call, name = inline, "kvio_write_back_staged_inline"
+            else:  # small: issued here, after the caller's stream
+                fence.order(stream, after)
                 return run_staged(h, d, layer, stream, chained)  # type: ignore[no-any-return]
             s = raw(stream)
             done = issue(host_tokens, device_tokens, op)
             staging = staging_of(s)
             out = ctypes.c_void_p()
-            staged(k_ptrs, v_ptrs, num_layers, host_base, layout, h.data_ptr() or None,
-                   d.data_ptr() or None, 1 if d.dtype is int64 else 0, h.numel(),
-                   staging.data_ptr(), staging.numel(), batched, s or None,
-                   raw(after) or None, done.bounds, ctypes.byref(out))
-            return NativeJob(lib, out.value or 0, done, (h, d, staging))
+            call(k_ptrs, v_ptrs, num_layers, host_base, layout, h.data_ptr() or None,
+                 d.data_ptr() or None, 1 if d.dtype is int64 else 0, h.numel(),
+                 staging.data_ptr(), staging.numel(), batched, s or None, raw(after) or None,
+                 done.bounds, ctypes.byref(out))
+            return NativeJob(lib, out.value or 0, done, (h, d, staging), name)
 
         run_staged_async.follows = True  # type: ignore[attr-defined]
         return run_staged_async

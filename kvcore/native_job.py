@@ -29,7 +29,8 @@ def flush_at_exit(lib: Any) -> None:
 
 
 class NativeJob:
-    """One transfer handed to the library's thread.
+    """One transfer handed to the library's thread (or issued inline by the caller, with the
+    same job functions telling its completion; ``function`` names the call that made it).
 
     ``query()`` is True once the job has finished: issued and completed, or failed.
     ``synchronize()`` blocks until then. ``check()`` raises what failed it: the library's
@@ -38,10 +39,12 @@ class NativeJob:
     staging buffer) until it finished.
     """
 
-    __slots__ = ("_done", "_handle", "_keep", "_lib", "_status")
+    __slots__ = ("_done", "_function", "_handle", "_keep", "_lib", "_status")
 
-    def __init__(self, lib: Any, handle: int, done: Any, keep: tuple[Any, ...]) -> None:
+    def __init__(self, lib: Any, handle: int, done: Any, keep: tuple[Any, ...],
+                 function: str = "kvio_write_back_staged_async") -> None:
         self._lib = lib
+        self._function = function
         self._handle: int | None = handle
         self._done = done
         self._keep: tuple[Any, ...] | None = keep
@@ -67,7 +70,7 @@ class NativeJob:
     def check(self) -> None:
         self.synchronize()
         if self._status:
-            self._lib.check("kvio_write_back_staged_async", self._status)
+            self._lib.check(self._function, self._status)
         self._done.check()
 
     def __del__(self) -> None:

@@ -13,6 +13,9 @@
 # The seed bench stops starting cases SEED_MARGIN_S (default 60) before the deadline; the
 # pure-torch reference is slow: SEED_REFERENCE_REPEAT=1 times its rows by their oracle call
 # alone (then the whole table with the reference took 457 s on an H200).
+# write_modes: the controller rows once per KVCORE_ASYNC_WRITE_BACK mode in WRITE_MODES.
+# profile: py-spy samples of write()/load() loops (PROFILE_CASES op:pages; .whl/ must carry
+# the py-spy wheel).
 # probe_tma: the standalone TMA-against-loads probe (scripts/probe_tma_h2d.cu).
 # submit_cost: cProfile of controller calls, once per page count in SUBMIT_PAGES.
 # probe: scripts/probe_layer_load.py once per kernel build setting in PROBE_TUNES
@@ -92,6 +95,19 @@ probe_h2d)
     step probe_h2d_build 120 nvcc -O3 -std=c++17 -arch=sm_90a -o "$R/probe_h2d" scripts/probe_h2d_paths.cu
     step probe_h2d 240 "$R/probe_h2d"
     rm -f "$R/probe_h2d"
+    ;;
+write_modes)  # the controller's rows once per write-back issue mode (KVCORE_ASYNC_WRITE_BACK)
+    for mode in ${WRITE_MODES:-0 1 inline}; do
+        KVCORE_ASYNC_WRITE_BACK=$mode step "bench_controller_mode_$mode" ${CONTROLLER_S:-400} "${KVIO[@]}" bench --through controller --backend cuda --layout ${CONTROLLER_LAYOUTS:-page_first} --markdown "$R/bench_controller_mode_$mode.md" --json "$R/bench_controller_mode_$mode.json"
+    done
+    ;;
+profile)  # py-spy over loops of controller calls (needs the py-spy wheel carried in .whl/)
+    $PY -m pip install -q --no-index --no-deps --target /tmp/pyspy .whl/py_spy*.whl || { echo "no py-spy wheel in .whl/"; status=1; }
+    for c in ${PROFILE_CASES:-write:1 write:16 load:1 load:64}; do
+        op=${c%%:*}; pages=${c##*:}; batch=32; [ "$pages" -ge 16 ] && batch=8
+        step "profile_${op}_${pages}p" 90 /tmp/pyspy/bin/py-spy record --native --rate 2000 --format raw -o "$R/profile_${op}_${pages}p.txt" -- $PY scripts/probe_hot_path.py --op "$op" --pages "$pages" --seconds 5 --batch "$batch"
+        $PY scripts/probe_hot_path.py --summarize "$R/profile_${op}_${pages}p.txt" --root "$op" --top 70 >> "$R/profile_${op}_${pages}p.log" 2>&1
+    done
     ;;
 probe_tma)  # SM bulk copies (TMA) from pinned memory against vector loads (scripts/probe_tma_h2d.cu)
     step probe_tma_build 120 nvcc -O3 -std=c++17 -arch=sm_90a -o "$R/probe_tma" scripts/probe_tma_h2d.cu

@@ -769,6 +769,42 @@ def test_real_library_async_write_back_refuses_what_the_staged_one_refuses_and_h
                                              None, None)
 
 
+def test_real_library_inline_write_back_refuses_what_the_async_one_refuses(
+        real_library: _native.NativeLibrary) -> None:
+    assert real_library.has_inline_write_back()
+    raw = real_library._lib
+    layout = _native.KvioLayout.from_fields(LAYOUT)
+    job = ctypes.c_void_p(0xDEAD)
+
+    def inline(*args: Any) -> int:
+        job.value = 0xDEAD
+        return raw.kvio_write_back_staged_inline(*args[:-1], None, args[-1], ctypes.byref(job))
+
+    assert inline(1, 0, 32, 1, layout, 1, 1, 0, 63, 1, 1 << 30, 1, None, BOUNDS) == 1
+    assert job.value is None
+    assert inline(1, 0, 32, 1, layout, 1, 1, 0, 64, None, 1 << 30, 1, None, BOUNDS) == 1
+    host_idx = (ctypes.c_int64 * 64)(*range(64))
+    assert inline(1, 0, 32, 1, layout, host_idx, 1, 0, 64, 1, 1024, 1, None, BOUNDS) == 1
+    assert raw.kvio_write_back_staged_inline(1, 0, 32, 1, layout, 1, 1, 0, 64, 1, 1 << 30, 1,
+                                             None, None, BOUNDS, None) == 1  # no job slot
+    assert inline(1, 0, 32, 1, layout, 1, 1, 0, 0, 1, 1 << 30, 1, None, BOUNDS) == 0
+    assert job.value not in (None, 0xDEAD)
+    assert raw.kvio_job_status(job) == 0 and raw.kvio_job_wait(job) == 0
+    raw.kvio_job_release(job)
+    with pytest.raises(KernelError, match=r"kvio_write_back_staged_inline: invalid argument"):
+        real_library.write_back_staged_inline(1, 0, 32, 1, LAYOUT, 1, 1, 0, 63, 1, 1 << 30, 1,
+                                              None, None)
+
+
+def test_the_job_write_backs_are_refused_by_a_library_without_them() -> None:
+    lib = _native.NativeLibrary("fake.so", lib=FakeDmaLib())
+    assert not lib.has_async_write_back() and not lib.has_inline_write_back()
+    for method, name in ((lib.write_back_staged_async, "kvio_write_back_staged_async"),
+                         (lib.write_back_staged_inline, "kvio_write_back_staged_inline")):
+        with pytest.raises(BuildError, match=f"does not export {name} and the job functions"):
+            method(1, 0, 32, 1, LAYOUT, 1, 1, 0, 64, 1, 1 << 30, 1, None, None)
+
+
 def test_real_library_async_write_back_refuses_an_out_of_range_cpu_host_index(
         real_library: _native.NativeLibrary, no_gpu: None) -> None:
     layout = _native.KvioLayout.from_fields(LAYOUT)

@@ -64,11 +64,14 @@ def gen() -> torch.Generator:
     return torch.Generator().manual_seed(20261204)
 
 
-@pytest.fixture(params=["caller", "thread"])
+@pytest.fixture(params=["caller", "thread", "inline"])
 def handover(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Staged write-backs issued on the caller's thread, or all handed to the library's."""
+    """Staged write-backs issued on the caller's thread, all handed to the library's, or all
+    issued by the caller as inline jobs (KVCORE_ASYNC_WRITE_BACK=inline)."""
     monkeypatch.setattr("kvcore.native.ASYNC_WRITE_BACK_MIN_BYTES",
-                        1 << 62 if request.param == "caller" else 1)
+                        1 if request.param == "thread" else 1 << 62)
+    if request.param == "inline":
+        monkeypatch.setenv("KVCORE_ASYNC_WRITE_BACK", "inline")
     return str(request.param)
 
 

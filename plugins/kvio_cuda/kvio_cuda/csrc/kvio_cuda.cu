@@ -1971,7 +1971,7 @@ cudaError_t write_back_staged_async(const uint64_t* k_ptrs, const uint64_t* v_pt
                                     const void* dev_idx, int dev_idx_64, int64_t n_tokens,
                                     void* staging, int64_t staging_bytes, int use_batched,
                                     void* stream, void* after_stream, const kvio_bounds* bounds,
-                                    void** job_out) {
+                                    bool on_caller, void** job_out) {
     if (job_out == nullptr) {
         return cudaErrorInvalidValue;
     }
@@ -2008,23 +2008,25 @@ cudaError_t write_back_staged_async(const uint64_t* k_ptrs, const uint64_t* v_pt
     job->stream = s;
     job->bounds = *bounds;
     // Everything that can fail before the job is handed over; its events go back on failure.
-    // A stream being captured is recorded on the capturing thread: the transfer is issued
-    // here, and the job only reports its completion.
+    // A stream being captured is recorded on the capturing thread, and an inline job
+    // (kvio_write_back_staged_inline) is the caller's to issue: the transfer is issued here,
+    // and the job only reports its completion.
+    const bool here = capturing || on_caller;
     auto prepare = [&]() -> cudaError_t {
         KVIO_CHECK(take_job_event(job->device, &job->done));
         if (after != s) {
             KVIO_CHECK(take_job_event(job->device, &job->after));
             KVIO_CHECK(cudaEventRecord(job->after, after));
         }
-        return capturing ? issue_staged_job(*job, host_idx_cpu, n_tokens) : cudaSuccess;
+        return here ? issue_staged_job(*job, host_idx_cpu, n_tokens) : cudaSuccess;
     };
     const cudaError_t err = prepare();
     if (err != cudaSuccess) {
         give_job_events(job.get());
         return err;
     }
-    if (capturing) {
-        job->issued = true;  // not shared with the thread yet
+    if (here) {
+        job->issued = true;  // never shared with the thread
         *job_out = job.release();
         return cudaSuccess;
     }
@@ -2112,7 +2114,21 @@ KVIO_API int kvio_write_back_staged_async(const uint64_t* k_ptrs, const uint64_t
     return finish(write_back_staged_async(k_ptrs, v_ptrs, num_layers, host_base, layout,
                                           host_idx_cpu, dev_idx, dev_idx_64, n_tokens, staging,
                                           staging_bytes, use_batched, stream, after_stream,
-                                          bounds, job));
+                                          bounds, false, job));
+}
+
+KVIO_API int kvio_write_back_staged_inline(const uint64_t* k_ptrs, const uint64_t* v_ptrs,
+                                           int32_t num_layers, void* host_base,
+                                           kvio_layout layout, const int64_t* host_idx_cpu,
+                                           const void* dev_idx, int dev_idx_64,
+                                           int64_t n_tokens, void* staging,
+                                           int64_t staging_bytes, int use_batched,
+                                           void* stream, void* after_stream,
+                                           const kvio_bounds* bounds, void** job) {
+    return finish(write_back_staged_async(k_ptrs, v_ptrs, num_layers, host_base, layout,
+                                          host_idx_cpu, dev_idx, dev_idx_64, n_tokens, staging,
+                                          staging_bytes, use_batched, stream, after_stream,
+                                          bounds, true, job));
 }
 
 KVIO_API int kvio_job_status(void* job) {
