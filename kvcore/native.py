@@ -332,20 +332,18 @@ class NativeBackend:
 
     def _async_write_back(self) -> bool:
         """Whether staged write-backs go through the library's thread: the library has the
-        functions, and ``KVCORE_ASYNC_WRITE_BACK`` is not ``0`` (for comparisons)."""
+        functions, and :func:`write_back_mode` is not ``0``."""
         has = getattr(self.lib, "has_async_write_back", None)
-        return (has is not None and bool(has())
-                and os.environ.get("KVCORE_ASYNC_WRITE_BACK", "1") != "0")
+        return has is not None and bool(has()) and write_back_mode() != "0"
 
     def _inline_write_back(self) -> bool:
         """Whether staged write-backs too small for the thread are issued as inline jobs
         (``kvio_write_back_staged_inline``): the library has the function and
-        ``KVCORE_ASYNC_WRITE_BACK`` is ``inline``. An experiment until measured on a GPU: the
+        :func:`write_back_mode` is ``inline``. An experiment until measured on a GPU: the
         caller's order point and the completion event are then made by the library in the
         same call, instead of a fence and an event through torch."""
         has = getattr(self.lib, "has_inline_write_back", None)
-        return (has is not None and bool(has())
-                and os.environ.get("KVCORE_ASYNC_WRITE_BACK", "1") == "inline")
+        return has is not None and bool(has()) and write_back_mode() == "inline"
 
     def _staged_async_runner(self, job: TransferJob, run_staged: Runner, k_ptrs: int | None,
                              v_ptrs: int | None, host_base: int | None,
@@ -610,6 +608,26 @@ class BoundsCompletion:
                 raise InvalidIndices(name, f"values in [0, {size})",
                                      f"{int(w[value_at // 8])} (refused by the kernel, which "
                                      "moved no byte for it)", f"{self._op.value} at completion")
+
+
+#: ``KVCORE_ASYNC_WRITE_BACK``: how a staged write-back through the controller is issued
+WRITE_BACK_MODES = {
+    "0": "every write-back by the caller (kvio_write_back_staged)",
+    "1": "from ASYNC_WRITE_BACK_MIN_BYTES by the library's thread, smaller by the caller "
+         "(the default)",
+    "inline": "from ASYNC_WRITE_BACK_MIN_BYTES by the library's thread, smaller by the caller "
+              "as inline jobs (kvio_write_back_staged_inline)",
+}
+
+
+def write_back_mode() -> str:
+    """The ``KVCORE_ASYNC_WRITE_BACK`` mode (:data:`WRITE_BACK_MODES`; unset or empty: ``1``);
+    another value is refused with InvalidArgument naming the variable."""
+    mode = os.environ.get("KVCORE_ASYNC_WRITE_BACK", "").strip() or "1"
+    if mode not in WRITE_BACK_MODES:
+        raise InvalidArgument("KVCORE_ASYNC_WRITE_BACK", "one of " + ", ".join(
+            f"{k} ({v})" for k, v in WRITE_BACK_MODES.items()), repr(mode))
+    return mode
 
 
 #: a staged write-back through the controller of at least this many bytes is issued by the

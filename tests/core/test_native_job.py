@@ -263,6 +263,16 @@ def test_inline_jobs_fall_back_to_the_fenced_call_where_the_library_lacks_them(
     assert lib.handed[0][0] == "synchronous"
 
 
+@pytest.mark.parametrize("value", ["2", "yes", "INLINE", "off"])
+def test_an_unknown_write_back_mode_is_refused_naming_the_variable(
+        monkeypatch: pytest.MonkeyPatch, value: str) -> None:
+    from kvcore.errors import InvalidArgument
+
+    monkeypatch.setenv("KVCORE_ASYNC_WRITE_BACK", value)
+    with pytest.raises(InvalidArgument, match=r"KVCORE_ASYNC_WRITE_BACK.*one of 0 \(.*inline"):
+        _runner(JobLibrary())
+
+
 def test_the_environment_can_keep_write_backs_on_the_callers_thread(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVCORE_ASYNC_WRITE_BACK", "0")
