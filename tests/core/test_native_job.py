@@ -305,15 +305,7 @@ def test_a_write_whose_job_failed_is_never_acknowledged_and_its_slots_are_releas
 
 
 def test_a_sticky_fault_of_a_job_marks_the_controller_lost_and_fails_the_later_writes() -> None:
-    from kvcore.native_abi import NativeLibrary
-
-    alloc = SlotAllocator(16 * 4, 4)
-    health = Health()
-    q = WriteQueue(alloc, None, health)
-    lib = JobLibrary()
-    binding = NativeLibrary(runtime="cuda", name="kvio_cuda", lib=_abi_stand_in(),
-                            sticky_codes={700})
-    lib.check = binding.check  # type: ignore[method-assign]  # the real mapping of codes
+    alloc, health, q, lib = _queue_with_real_checks()
     free = alloc.available_size()
     first, first_handle = _job(lib)
     second, second_handle = _job(lib)
@@ -332,15 +324,7 @@ def test_a_sticky_fault_of_a_job_marks_the_controller_lost_and_fails_the_later_w
 
 
 def test_a_job_failing_with_an_ordinary_error_leaves_the_controller_usable() -> None:
-    from kvcore.native_abi import NativeLibrary
-
-    alloc = SlotAllocator(16 * 4, 4)
-    health = Health()
-    q = WriteQueue(alloc, None, health)
-    lib = JobLibrary()
-    binding = NativeLibrary(runtime="cuda", name="kvio_cuda", lib=_abi_stand_in(),
-                            sticky_codes={700})
-    lib.check = binding.check  # type: ignore[method-assign]
+    alloc, health, q, lib = _queue_with_real_checks()
     job, handle = _job(lib)
     q.add(alloc.alloc(4), torch.arange(4), job, [job], True)
     lib.status[handle] = 2  # out of memory: this transfer failed, the device did not
@@ -349,6 +333,20 @@ def test_a_job_failing_with_an_ordinary_error_leaves_the_controller_usable() -> 
     assert type(err.value.cause) is KernelError
     assert health.lost is None
     health.check()
+
+
+def _queue_with_real_checks() -> tuple[SlotAllocator, Health, WriteQueue, JobLibrary]:
+    """A write queue and a job library whose status codes go through NativeLibrary.check
+    (700 sticky), as a real binding's do."""
+    from kvcore.native_abi import NativeLibrary
+
+    alloc = SlotAllocator(16 * 4, 4)
+    health = Health()
+    lib = JobLibrary()
+    binding = NativeLibrary(runtime="cuda", name="kvio_cuda", lib=_abi_stand_in(),
+                            sticky_codes={700})
+    lib.check = binding.check  # type: ignore[method-assign]
+    return alloc, health, WriteQueue(alloc, None, health), lib
 
 
 def _abi_stand_in() -> Any:

@@ -739,16 +739,21 @@ def test_real_library_staged_transfers_refuse_bad_arguments_before_any_cuda_call
     assert staged(1, 0, 32, 1, layout, 1, 1, 0, 0, 1, 1 << 30, 1, None, BOUNDS) == 0
 
 
-def test_real_library_async_write_back_refuses_what_the_staged_one_refuses_and_hands_over_nothing(
-        real_library: _native.NativeLibrary) -> None:
-    assert real_library.has_async_write_back()
+@pytest.mark.parametrize("kind", ["async", "inline"])
+def test_real_library_job_write_backs_refuse_what_the_staged_one_refuses_and_issue_nothing(
+        real_library: _native.NativeLibrary, kind: str) -> None:
+    """kvio_write_back_staged_async (handed to the thread) and _inline (issued by the caller)
+    check as kvio_write_back_staged does: an error hands out no job and enqueues nothing."""
+    assert real_library.has_async_write_back() and real_library.has_inline_write_back()
     raw = real_library._lib
+    function = f"kvio_write_back_staged_{kind}"
+    call = getattr(raw, function)
     layout = _native.KvioLayout.from_fields(LAYOUT)
     job = ctypes.c_void_p(0xDEAD)
 
     def staged(*args: Any) -> int:
         job.value = 0xDEAD
-        return raw.kvio_write_back_staged_async(*args[:-1], None, args[-1], ctypes.byref(job))
+        return call(*args[:-1], None, args[-1], ctypes.byref(job))  # type: ignore[no-any-return]
 
     # the cases of the staged write-back (above), each refused with no job handed out
     assert staged(1, 0, 32, 1, layout, 1, 1, 0, 63, 1, 1 << 30, 1, None, BOUNDS) == 1
@@ -757,43 +762,16 @@ def test_real_library_async_write_back_refuses_what_the_staged_one_refuses_and_h
     assert staged(1, 0, 32, 1, layout, 1, 1, 0, 64, None, 1 << 30, 1, None, BOUNDS) == 1
     host_idx = (ctypes.c_int64 * 64)(*range(64))
     assert staged(1, 0, 32, 1, layout, host_idx, 1, 0, 64, 1, 1024, 1, None, BOUNDS) == 1
-    assert raw.kvio_write_back_staged_async(1, 0, 32, 1, layout, 1, 1, 0, 64, 1, 1 << 30, 1,
-                                            None, None, BOUNDS, None) == 1  # no job slot
+    assert call(1, 0, 32, 1, layout, 1, 1, 0, 64, 1, 1 << 30, 1,
+                None, None, BOUNDS, None) == 1  # no job slot
     # nothing to do: a job that finished at once, touching no device
     assert staged(1, 0, 32, 1, layout, 1, 1, 0, 0, 1, 1 << 30, 1, None, BOUNDS) == 0
     assert job.value not in (None, 0xDEAD)
     assert raw.kvio_job_status(job) == 0 and raw.kvio_job_wait(job) == 0
     raw.kvio_job_release(job)
-    with pytest.raises(KernelError, match=r"kvio_write_back_staged_async: invalid argument"):
-        real_library.write_back_staged_async(1, 0, 32, 1, LAYOUT, 1, 1, 0, 63, 1, 1 << 30, 1,
-                                             None, None)
-
-
-def test_real_library_inline_write_back_refuses_what_the_async_one_refuses(
-        real_library: _native.NativeLibrary) -> None:
-    assert real_library.has_inline_write_back()
-    raw = real_library._lib
-    layout = _native.KvioLayout.from_fields(LAYOUT)
-    job = ctypes.c_void_p(0xDEAD)
-
-    def inline(*args: Any) -> int:
-        job.value = 0xDEAD
-        return raw.kvio_write_back_staged_inline(*args[:-1], None, args[-1], ctypes.byref(job))
-
-    assert inline(1, 0, 32, 1, layout, 1, 1, 0, 63, 1, 1 << 30, 1, None, BOUNDS) == 1
-    assert job.value is None
-    assert inline(1, 0, 32, 1, layout, 1, 1, 0, 64, None, 1 << 30, 1, None, BOUNDS) == 1
-    host_idx = (ctypes.c_int64 * 64)(*range(64))
-    assert inline(1, 0, 32, 1, layout, host_idx, 1, 0, 64, 1, 1024, 1, None, BOUNDS) == 1
-    assert raw.kvio_write_back_staged_inline(1, 0, 32, 1, layout, 1, 1, 0, 64, 1, 1 << 30, 1,
-                                             None, None, BOUNDS, None) == 1  # no job slot
-    assert inline(1, 0, 32, 1, layout, 1, 1, 0, 0, 1, 1 << 30, 1, None, BOUNDS) == 0
-    assert job.value not in (None, 0xDEAD)
-    assert raw.kvio_job_status(job) == 0 and raw.kvio_job_wait(job) == 0
-    raw.kvio_job_release(job)
-    with pytest.raises(KernelError, match=r"kvio_write_back_staged_inline: invalid argument"):
-        real_library.write_back_staged_inline(1, 0, 32, 1, LAYOUT, 1, 1, 0, 63, 1, 1 << 30, 1,
-                                              None, None)
+    with pytest.raises(KernelError, match=rf"{function}: invalid argument"):
+        getattr(real_library, f"write_back_staged_{kind}")(1, 0, 32, 1, LAYOUT, 1, 1, 0, 63, 1,
+                                                           1 << 30, 1, None, None)
 
 
 def test_the_job_write_backs_are_refused_by_a_library_without_them() -> None:
