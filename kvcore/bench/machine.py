@@ -13,6 +13,11 @@ import torch
 
 from kvcore.streams import has_streams
 
+#: environment variables that change what a run measures (which backend, how its kernels were
+#: built, how the controller issues write-backs); the report names those that are set
+MEASURED_ENVIRONMENT = ("KVCORE_BACKEND", "KVCORE_PLUGINS", "KVCORE_ASYNC_WRITE_BACK",
+                        "KVIO_CUDA_TUNE", "KVIO_CUDA_PREBUILT")
+
 _SMI = {  # tool -> arguments that print the driver version
     "nvidia-smi": ["--query-gpu=driver_version", "--format=csv,noheader"],
     "rocm-smi": ["--showdriverversion"],
@@ -35,6 +40,11 @@ def machine_facts(device: torch.device, host_memory: str | None) -> dict[str, An
         "host_memory": host_memory,
         "pinned": host_memory == "pinned",
     }
+
+
+def measured_environment() -> dict[str, str]:
+    """The :data:`MEASURED_ENVIRONMENT` variables set for this run, with their values."""
+    return {k: os.environ[k] for k in MEASURED_ENVIRONMENT if k in os.environ}
 
 
 def _gpu_name(device: torch.device) -> str | None:

@@ -123,6 +123,8 @@ def header_lines(result: BenchResult) -> list[str]:
         + (f", reference: repeat {s['reference_repeat']} from its oracle call, no warm-up"
            if s.get("reference_repeat") is not None else "")
         + f"  elapsed {result.elapsed_s:.1f} s",
+        *([f"environment: {' '.join(f'{k}={v}' for k, v in s['environment'].items())}"]
+          if s.get("environment") else []),
         *host_lines(result),
         *([f"INCOMPLETE: stopped early, {result.not_run} case(s) not run"]
           if result.not_run else []),

@@ -35,7 +35,7 @@ import attrs
 import torch
 
 from kvcore.bench.ceiling import Ceiling
-from kvcore.bench.machine import machine_facts
+from kvcore.bench.machine import machine_facts, measured_environment
 from kvcore.bench.row import FAILED, OK, UNSUPPORTED, Row
 from kvcore.bench.slowdown import CaseRun, Tolerances, slowdown
 from kvcore.bench.sweep import Case
@@ -207,6 +207,7 @@ class Bench:
         settings["retime"] = self.retime
         settings["slowdown_tolerance"] = self.tolerances.slowdown
         settings["spread_tolerance"] = self.tolerances.spread
+        settings["environment"] = measured_environment()
         return BenchResult(rows=rows, machine=machine_facts(self.device, host_memory),
                            backends=[self._backend_facts(n) for n in names],
                            settings=settings, started=started,

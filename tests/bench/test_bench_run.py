@@ -109,6 +109,29 @@ def test_cli_writes_json_markdown_and_plot(tmp_path: Path, capsys: pytest.Captur
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_the_report_names_the_environment_that_changes_what_is_measured(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    out, md = tmp_path / "b.json", tmp_path / "b.md"
+    argv = ["bench", *SMALL, "--op", "load_all", "--quiet", "--json", str(out), "--markdown",
+            str(md)]
+    from kvcore.bench.machine import MEASURED_ENVIRONMENT
+
+    for name in MEASURED_ENVIRONMENT:
+        monkeypatch.delenv(name, raising=False)
+    assert main(argv) == 0
+    assert "environment:" not in md.read_text()
+    monkeypatch.setenv("KVCORE_ASYNC_WRITE_BACK", "inline")
+    monkeypatch.setenv("KVIO_CUDA_TUNE", "UNROLL=8")
+    monkeypatch.setenv("KVCORE_CACHE_DIR", str(tmp_path))  # a path: not a measured setting
+    assert main(argv) == 0
+    doc = json.loads(out.read_text())
+    validate(doc)
+    assert doc["settings"]["environment"] == {"KVCORE_ASYNC_WRITE_BACK": "inline",
+                                              "KVIO_CUDA_TUNE": "UNROLL=8"}
+    assert "environment: KVCORE_ASYNC_WRITE_BACK=inline KVIO_CUDA_TUNE=UNROLL=8" in \
+        md.read_text()
+
+
 def test_cli_json_to_stdout(capsys: pytest.CaptureFixture) -> None:
     assert main(["bench", *SMALL, "--op", "load_all", "--kind", "mla", "--json", "-"]) == 0
     doc = json.loads(capsys.readouterr().out)
