@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
-import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -45,7 +44,7 @@ from kvcore.policy import CacheEvent, WritePolicy, should_back_up
 from kvcore.pools import DevicePool, HostPool
 from kvcore.registry import Registry, default_registry, make_request
 from kvcore.streams import Fence, current_stream, new_stream
-from kvcore.validate import check_index_tensor
+from kvcore.validate import CheckedTensors, check_index_tensor
 from kvcore.write_queue import Health, WriteQueue, drain_stream
 
 
@@ -132,8 +131,9 @@ class HiCacheController:
         self.write_stream = new_stream(self.device)
         self.load_stream = new_stream(self.device)
         self._fence = Fence(self.device)
-        # id -> (weak reference, version) of host index tensors made by this allocator
-        self._issued: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
+        # host index tensors this controller's allocator made (an ack's), while unmodified:
+        # handed back to load(), their values need no check again
+        self._issued = CheckedTensors()
         self._health = Health()
         self._writes = WriteQueue(self.allocator, self.write_stream, self._health, rounds)
         # one caller at a time: the allocator, the queue of pending writes and the streams'
@@ -202,7 +202,7 @@ class HiCacheController:
                     self.allocator.free(h)
                 raise self._failure("write-back", exc) from exc
             if owns:
-                self._remember(h)
+                self._issued.add(h)
             return self._writes.add(h, d, subs[-1].event, subs, owns)
 
     def on_cache_event(self, event: CacheEvent | str, device_indices: torch.Tensor,
@@ -246,7 +246,7 @@ class HiCacheController:
             self._health.check()
             op = Op.LOAD_ALL if all_layers else Op.LOAD_LAYER
             h, d = self.bound[(0, op)].check(host_indices, device_indices,
-                                             host_trusted=self._issued_here(host_indices))
+                                             host_trusted=host_indices in self._issued)
             try:
                 subs = self._submit(op, self.load_stream, h, d)
             except BaseException as exc:
@@ -255,19 +255,6 @@ class HiCacheController:
                               self._health.record)
 
     # -- internals -------------------------------------------------------------------------
-
-    def _remember(self, host_indices: torch.Tensor) -> None:
-        """Note a host index tensor this controller's allocator made (an ack's), with its
-        version: handed back unmodified to :meth:`load`, its values need no check again."""
-        key = id(host_indices)
-        self._issued[key] = (weakref.ref(host_indices,
-                                         lambda _, k=key: self._issued.pop(k, None)),
-                             host_indices._version)
-
-    def _issued_here(self, t: object) -> bool:
-        entry = self._issued.get(id(t))
-        return (entry is not None and entry[0]() is t
-                and t._version == entry[1])  # type: ignore[attr-defined]
 
     def _submit(self, op: Op, stream: Any, h: torch.Tensor, d: torch.Tensor,
                 ) -> list[Submission]:

@@ -41,7 +41,12 @@ from kvcore.layout import Kind, Layout, Op, page_block_contiguous, page_contiguo
 from kvcore.placement import IndexRing, fits, place
 from kvcore.signals import WAIT_CURRENT
 from kvcore.streams import Fence, current_stream, has_streams, on_stream, recorded_event
-from kvcore.validate import check_cpu_indices, check_index_tensor, describe_tensor
+from kvcore.validate import (
+    CheckedTensors,
+    check_cpu_indices,
+    check_index_tensor,
+    describe_tensor,
+)
 
 if TYPE_CHECKING:
     from kvcore.pools import DevicePool, HostPool
@@ -248,6 +253,10 @@ class BoundPlan:
                                                            None)) \
             if has_streams(self.device) else None
         self._fence = Fence(self.device)
+        # CPU index tensors whose values this plan checked, while unmodified (by role: the
+        # bounds differ)
+        self._checked_host = CheckedTensors(CHECKED_TENSORS)
+        self._checked_device = CheckedTensors(CHECKED_TENSORS)
 
     @property
     def context(self) -> str:
@@ -260,7 +269,10 @@ class BoundPlan:
         Always: type, dtype, rank, device, equal lengths and ``layer``. Values of tensors on
         the CPU: range, whole host pages, no duplicate destination (host slots for a
         write-back, device slots for a load). ``host_trusted`` skips the value checks of
-        ``host_indices`` (the controller's own allocator made them).
+        ``host_indices`` (the controller's own allocator made them). The values of a CPU
+        tensor this plan checked before and that was not modified since are not checked
+        again (:class:`~kvcore.validate.CheckedTensors`): an engine that submits each layer of
+        a load with the same tensors pays for the check once.
         """
         ctx = self.plan.context
         h = check_index_tensor("host_indices", host_indices, ctx)
@@ -280,11 +292,13 @@ class BoundPlan:
                 raise InvalidArgument("layer", f"an int in [0, {self.num_layers}) or None "
                                       "(every layer)", repr(layer), ctx)
         write = self.op is Op.WRITE_BACK
-        if h.is_cpu and not host_trusted:
+        if h.is_cpu and not host_trusted and h not in self._checked_host:
             check_cpu_indices("host_indices", h, self._host_size, ctx,
                               page_size=self._page_size, unique=write)
-        if d.is_cpu:
+            self._checked_host.add(h)
+        if d.is_cpu and d not in self._checked_device:
             check_cpu_indices("device_indices", d, self._device_size, ctx, unique=not write)
+            self._checked_device.add(d)
         return h, d
 
     def variant_for(self, host_indices: torch.Tensor, device_indices: torch.Tensor,
@@ -433,6 +447,10 @@ class BoundPlan:
         return TransferJob(op=self.op, support=support, device_pool=self.device_pool,
                            host_buffer=hp.buffer, host_geometry=hp.geometry,
                            host_strides=hp.strides, host_indices=none, device_indices=none)
+
+
+#: CPU index tensors a bound plan remembers as checked, per role (host, device)
+CHECKED_TENSORS = 16
 
 
 def _issued_later(done: Any) -> bool:

@@ -8,6 +8,8 @@ enqueued); device-resident values are the kernels' to refuse (see :mod:`kvcore.p
 from __future__ import annotations
 
 import functools
+import threading
+import weakref
 
 import numpy as np
 import torch
@@ -87,3 +89,48 @@ def check_cpu_indices(name: str, t: torch.Tensor, size: int, context: str = "", 
         if dup.size:
             raise InvalidIndices(name, "no duplicate destination indices",
                                  f"{int(ordered[dup[0]])} more than once", context)
+
+
+class CheckedTensors:
+    """CPU index tensors whose values need no check again: checked already (or made by kvcore
+    itself) and unmodified since.
+
+    A tensor counts while it is the same object with the same version counter (torch bumps it
+    on every in-place write through torch) and the same data address. A write through a NumPy
+    view of the tensor does not bump the counter: such a change is not seen here, and what
+    still refuses its out-of-range values is the backend (before enqueueing, or at completion;
+    no backend dereferences one). ``capacity``: how many tensors are remembered (the oldest is
+    forgotten first); None: every one alive.
+    """
+
+    def __init__(self, capacity: int | None = None) -> None:
+        self._capacity = capacity
+        self._entries: dict[int, tuple[weakref.ref[torch.Tensor], int, int]] = {}
+        self._lock = threading.Lock()
+
+    def add(self, t: torch.Tensor) -> None:
+        """Remember ``t`` as it is now."""
+        key = id(t)
+        entry = (weakref.ref(t, lambda _, k=key: self._forget(k)), t._version, t.data_ptr())
+        with self._lock:
+            entries = self._entries
+            entries.pop(key, None)
+            if self._capacity is not None and len(entries) >= self._capacity:
+                entries.pop(next(iter(entries)), None)
+            entries[key] = entry
+
+    def __contains__(self, t: object) -> bool:
+        entry = self._entries.get(id(t))
+        return (entry is not None and entry[0]() is t
+                and t._version == entry[1]  # type: ignore[attr-defined]
+                and t.data_ptr() == entry[2])  # type: ignore[attr-defined]
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def _forget(self, key: int) -> None:
+        # a weakref callback, possibly inside add() on this thread (a collection): no lock,
+        # and only an entry whose tensor is gone (not a newer tensor under a reused id)
+        entry = self._entries.get(key)
+        if entry is not None and entry[0]() is None:
+            self._entries.pop(key, None)
