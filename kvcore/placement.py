@@ -7,12 +7,16 @@ device ring, instead of a pinned allocation, a staging copy and a device allocat
 (about 20 us of the ~30 us a one-page load spent before its kernel). A slot is written again
 only after the transfer that read it completed: each submit seals the slots it used with its
 completion event, and a segment of the ring whose last users are still running is not taken;
-the copy then goes through torch's allocators instead. Nothing here ever waits.
+the copy then goes through torch's allocators instead. The same tensor staged again on the
+same stream with the same values (an engine submitting each layer of a load alone) gets the
+slot it got before, while that slot is live, and nothing is copied again. Nothing here ever
+waits.
 """
 
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -29,6 +33,18 @@ RING_BYTES = 1 << 20
 RING_SEGMENTS = 4
 #: slots start at multiples of this (a kernel's vector loads of indices stay aligned)
 SLOT_ALIGN = 256
+#: staged tensors a ring remembers, to hand the same slot to another submit of the same
+#: values on the same stream (each layer of a load submitted alone) instead of copying again
+RECENT_STAGED = 8
+
+
+def stream_key(stream: Any) -> Any:
+    """What tells streams apart (torch's stream objects are made anew by each lookup; another
+    object stands for itself)."""
+    if stream is None:
+        return None
+    sid = getattr(stream, "stream_id", None)
+    return stream if sid is None else (stream.device_index, sid)
 
 
 def fits(indices: torch.Tensor, spec: IndexSpec, device: torch.device) -> bool:
@@ -92,16 +108,62 @@ class IndexRing:
         # dtype -> the whole ring as (host numpy, pinned, device) of that dtype: a slot is one
         # view of each (as_strided), not a slice and a dtype view (about 8 us per submit)
         self._typed: dict[torch.dtype, tuple[np.ndarray, torch.Tensor, torch.Tensor]] = {}
+        # how often each segment was reset: a slot handed out in an earlier generation of its
+        # segment may hold other values now
+        self._generations = [0] * segments
+        # (id of the source tensor, dtype, stream key) -> (weak reference to the source,
+        # segment, its generation, first element, device view) of the latest stagings
+        self._recent: dict[tuple[int, torch.dtype, Any],
+                           tuple[weakref.ref[torch.Tensor], int, int, int, torch.Tensor]] = {}
         self._lock = threading.Lock()
 
     def stage(self, indices: torch.Tensor, dtype: torch.dtype,
               stream: Any = None) -> tuple[torch.Tensor, int] | None:
         """A device tensor of ``indices`` (a contiguous CPU tensor) as ``dtype``, copied on
-        ``stream`` (with ``upload``; else on the current stream), and the segment it came from
-        (for :meth:`seal`); None where the ring has no free slot that large (the caller places
-        it otherwise)."""
+        ``stream`` (with ``upload``; else on the current stream, which must be ``stream``),
+        and the segment it came from (for :meth:`seal`); None where the ring has no free slot
+        that large (the caller places it otherwise).
+
+        The same tensor staged again on the same stream, with the same values, gets the slot
+        it got before while that slot is still live: nothing is copied, and the slot is held
+        until this submit too is sealed and done (the earlier copy is ahead on the stream)."""
         with self._lock:
-            return self._stage(indices, dtype, stream)
+            key = (id(indices), dtype, stream_key(stream))
+            reused = self._reuse(key, indices)
+            if reused is not None:
+                return reused
+            staged = self._stage(indices, dtype, stream)
+            if staged is not None:
+                self._remember(key, indices, *staged)
+            return staged
+
+    def _reuse(self, key: tuple[int, torch.dtype, Any], indices: torch.Tensor,
+               ) -> tuple[torch.Tensor, int] | None:
+        hit = self._recent.get(key)
+        if hit is None:
+            return None
+        ref, segment, generation, first, dst = hit
+        n = indices.numel()
+        if (ref() is not indices or self._generations[segment] != generation
+                or dst.numel() != n):
+            return None
+        # the pinned slot still holds what was copied: the values must be equal, whatever
+        # was written into the tensor since (through torch or a NumPy view)
+        slot, src = self._typed[dst.dtype][0][first:first + n], indices.numpy()
+        if not (slot.tobytes() == src.tobytes() if slot.dtype == src.dtype
+                else np.array_equal(slot, src)):
+            return None
+        self._segments[segment].unsealed += 1
+        return dst, segment
+
+    def _remember(self, key: tuple[int, torch.dtype, Any], indices: torch.Tensor,
+                  dst: torch.Tensor, segment: int) -> None:
+        recent = self._recent
+        recent.pop(key, None)
+        if len(recent) >= RECENT_STAGED:
+            recent.pop(next(iter(recent)))
+        first = dst.storage_offset()
+        recent[key] = (weakref.ref(indices), segment, self._generations[segment], first, dst)
 
     def _stage(self, indices: torch.Tensor, dtype: torch.dtype, stream: Any,
                ) -> tuple[torch.Tensor, int] | None:
@@ -112,7 +174,7 @@ class IndexRing:
         seg = self._segments[self._current]
         if seg.used + nbytes > self.segment_bytes:
             nxt = (self._current + 1) % len(self._segments)
-            if not self._reset(self._segments[nxt]):
+            if not self._reset(nxt):
                 return None
             self._current, seg = nxt, self._segments[nxt]
         if self._pinned is None:
@@ -150,11 +212,13 @@ class IndexRing:
             seg.unsealed -= 1
             seg.events[stream_key] = event
 
-    def _reset(self, seg: _Segment) -> bool:
+    def _reset(self, index: int) -> bool:
+        seg = self._segments[index]
         if seg.unsealed or not all(e.query() for e in seg.events.values()):
             return False
         seg.events.clear()
         seg.used = 0
+        self._generations[index] += 1
         return True
 
     def _allocate(self) -> None:

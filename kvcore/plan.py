@@ -38,7 +38,7 @@ from kvcore.errors import (
     TensorMismatch,
 )
 from kvcore.layout import Kind, Layout, Op, page_block_contiguous, page_contiguous
-from kvcore.placement import IndexRing, fits, place
+from kvcore.placement import IndexRing, fits, place, stream_key
 from kvcore.signals import WAIT_CURRENT
 from kvcore.streams import Fence, current_stream, has_streams, on_stream, recorded_event
 from kvcore.validate import (
@@ -379,7 +379,7 @@ class BoundPlan:
             if segments:
                 event = sub.event if sub is not None else recorded_event(device, s)
                 assert self._ring is not None
-                self._ring.seal(segments, event, _stream_key(s))
+                self._ring.seal(segments, event, stream_key(s))
         assert sub is not None
         return sub
 
@@ -458,11 +458,6 @@ def _issued_later(done: Any) -> bool:
     :class:`~kvcore.native_job.NativeJob`): it then tells completion itself, since an event
     recorded on the stream now would come before the transfer's work."""
     return hasattr(done, "query") and hasattr(done, "synchronize")
-
-
-def _stream_key(stream: Any) -> Any:
-    """What tells streams apart (stream objects are made anew by each lookup)."""
-    return None if stream is None else (stream.device_index, stream.stream_id)
 
 
 def _wants(v: OpSupport, residency: Residency) -> bool:

@@ -73,12 +73,12 @@ def test_slots_handed_out_but_never_sealed_keep_their_segment_busy() -> None:
     ring = _ring(segments=2, segment_bytes=SLOT_ALIGN)
     one_slot = torch.arange(SLOT_ALIGN // 8)
     assert ring.stage(one_slot, torch.int64) is not None  # segment 0, never sealed
-    b = ring.stage(one_slot, torch.int64)
+    b = ring.stage(one_slot.clone(), torch.int64)
     assert b is not None and b[1] == 1
     done = Event()
     done.done = True
     ring.seal([1], done, "s")
-    assert ring.stage(one_slot, torch.int64) is None  # would reuse unsealed segment 0
+    assert ring.stage(one_slot.clone(), torch.int64) is None  # would reuse unsealed segment 0
 
 
 def test_a_tensor_larger_than_a_segment_is_left_to_the_caller() -> None:
@@ -114,3 +114,71 @@ def test_slots_reused_with_other_lengths_and_dtypes_hold_exactly_the_new_values(
             out, _ = ring.stage(src, dtype)  # type: ignore[misc]
             assert out.dtype == dtype and out.numel() == n
             assert torch.equal(out, src.to(dtype))
+
+
+# -- the same indices staged again (each layer of a load submitted alone) -------------------
+
+
+def _counting_ring(**kwargs: int) -> tuple[IndexRing, list[int]]:
+    copies: list[int] = []
+
+    def upload(dst: int, src: int, nbytes: int, stream: object) -> None:
+        copies.append(nbytes)
+        ctypes.memmove(dst, src, nbytes)
+
+    return _ring(upload=upload, **kwargs), copies
+
+
+def test_the_same_indices_on_the_same_stream_reuse_their_slot_until_it_is_done() -> None:
+    ring, copies = _counting_ring(segments=2, segment_bytes=SLOT_ALIGN)
+    src = torch.arange(SLOT_ALIGN // 8)  # one slot fills a segment
+    first, seg = ring.stage(src, torch.int64, "s")  # type: ignore[misc]
+    layer0 = Event()
+    ring.seal([seg], layer0, "s")  # each submit seals in stream order, as BoundPlan.submit
+    events = []
+    for _ in range(3):  # layers 1..3 of the same load
+        again, seg_again = ring.stage(src, torch.int64, "s")  # type: ignore[misc]
+        assert again.data_ptr() == first.data_ptr() and seg_again == seg
+        events.append(Event())
+        ring.seal([seg_again], events[-1], "s")
+    assert copies == [SLOT_ALIGN]  # one copy for the four submits
+    layer0.done = True
+    other = torch.arange(SLOT_ALIGN // 8) + 7
+    assert ring.stage(other, torch.int64, "s") is not None  # segment 1
+    # segment 0 is held by the last submit that reused it, not by the first one's completion
+    assert ring.stage(other.clone(), torch.int64, "s") is None
+    events[-1].done = True
+    assert ring.stage(other.clone(), torch.int64, "s") is not None
+
+
+def test_changed_values_another_stream_or_dtype_are_copied_anew() -> None:
+    ring, copies = _counting_ring(segments=2, segment_bytes=16 * SLOT_ALIGN)
+    src = torch.arange(40)
+    a, _ = ring.stage(src, torch.int64, "s")  # type: ignore[misc]
+    src.numpy()[3] = 1000  # a write torch does not count (no version bump)
+    b, _ = ring.stage(src, torch.int64, "s")  # type: ignore[misc]
+    assert b.data_ptr() != a.data_ptr() and int(b[3]) == 1000 and int(a[3]) == 3
+    src[4] = 2000
+    c, _ = ring.stage(src, torch.int64, "s")  # type: ignore[misc]
+    assert int(c[4]) == 2000
+    d, _ = ring.stage(src, torch.int64, "other stream")  # type: ignore[misc]
+    e, _ = ring.stage(src, torch.int32, "s")  # type: ignore[misc]
+    assert len({t.data_ptr() for t in (a, b, c, d, e)}) == 5 and len(copies) == 5
+    assert torch.equal(d, src) and torch.equal(e, src.to(torch.int32))
+    same, _ = ring.stage(src, torch.int64, "s")  # type: ignore[misc]
+    assert same.data_ptr() == c.data_ptr() and len(copies) == 5
+
+
+def test_a_slot_of_a_segment_reset_since_is_never_handed_out_again() -> None:
+    ring, copies = _counting_ring(segments=2, segment_bytes=SLOT_ALIGN)
+    src = torch.arange(SLOT_ALIGN // 8)
+    a, seg = ring.stage(src, torch.int64, "s")  # type: ignore[misc]
+    done = Event()
+    done.done = True
+    ring.seal([seg], done, "s")
+    for k in (1, 2):  # segment 1, then segment 0 again: reset, its slot rewritten
+        _, segment = ring.stage(src + k, torch.int64, "s")  # type: ignore[misc]
+        ring.seal([segment], done, "s")
+    assert int(a[0]) == 2  # the old slot now holds other values
+    b, _ = ring.stage(src, torch.int64, "s")  # type: ignore[misc]
+    assert torch.equal(b, src) and len(copies) == 4
