@@ -258,3 +258,35 @@ def test_back_to_back_signaled_loads_on_one_stream_raise_growing_epochs_and_stay
     for layer in range(LAYERS):
         assert torch.equal(dev.layers(0)[layer].view(torch.int16),
                            expected.layers(0)[layer].view(torch.int16)), layer
+
+
+@pytest.mark.parametrize("layout", ["page_first", "layer_first"])
+def test_per_layer_submits_of_the_same_cpu_indices_move_what_each_submit_names(
+        layout: str) -> None:
+    """An engine submitting each layer of a load with the same CPU tensors (SGLang's hooks):
+    the bound plan's ring hands later layers the slot the first one uploaded, and must notice
+    values changed between layers, by torch or through a NumPy view."""
+    gen = torch.Generator().manual_seed(131)
+    dev, host = _pools("mha", layout, gen)
+    bound = _plan(Op.LOAD_LAYER, "mha", layout, "cuda").bind(dev, host)
+    ref = _plan(Op.LOAD_LAYER, "mha", layout, "reference")
+    expected, before = dev.clone(), dev.clone()
+    perm = torch.randperm(POOL_PAGES, generator=gen).tolist()
+    h, d = _tokens(perm[:5]), _tokens(perm[5:10])
+    touched = torch.zeros(POOL_PAGES * PAGE, dtype=torch.bool, device=DEVICE)
+    for layer in range(LAYERS):
+        if layer == 2:
+            h.numpy()[:] = _tokens(perm[10:15]).numpy()  # no version bump
+        if layer == 4:
+            d.copy_(_tokens(perm[15:20]))
+        bound.submit(h, d, layer=layer, chained=layer > 0)
+        ref.transfer(expected, host, h.clone(), d.to(DEVICE), layer=layer)
+        touched[d.to(DEVICE)] = True
+    torch.cuda.synchronize()
+    for kv in range(2):
+        for layer in range(LAYERS):
+            got, want = dev.layers(kv)[layer], expected.layers(kv)[layer]
+            assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (kv, layer)
+            old = before.layers(kv)[layer]
+            assert torch.equal(got[~touched].view(torch.int16),
+                               old[~touched].view(torch.int16)), (kv, layer)
