@@ -21,17 +21,18 @@ import time
 P, LAYERS = 64, 32
 
 
-def run(op: str, pages: int, seconds: float, batch: int, layout: str) -> None:
+def run(op: str, pages: int, seconds: float, batch: int, layout: str, device: str) -> None:
     import torch
 
     from kvcore import DevicePool, HiCacheController
     from kvcore.registry import allocate_host_pool
 
-    dev = DevicePool.allocate("mha", LAYERS, 4 * pages * P, 8, 128, torch.bfloat16, "cuda", P)
+    dev = DevicePool.allocate("mha", LAYERS, 4 * pages * P, 8, 128, torch.bfloat16, device, P)
     host = allocate_host_pool("mha", layout, LAYERS, (batch + 1) * pages * P, 8, 128,
-                              torch.bfloat16, P, "cuda")
+                              torch.bfloat16, P, device)
     ctl = HiCacheController(dev, host)
-    d = torch.arange(pages * P, device="cuda")
+    d = torch.arange(pages * P, device=device)
+    sync = torch.get_device_module(device).synchronize if device != "cpu" else lambda: None
     calls = 0
     cpu = 0.0
     end = time.perf_counter() + seconds
@@ -47,7 +48,7 @@ def run(op: str, pages: int, seconds: float, batch: int, layout: str) -> None:
     else:
         acks = [ctl.write(d) for _ in range(batch)]
         ctl.wait_acks()
-        d2 = torch.arange(pages * P, 2 * pages * P, device="cuda")
+        d2 = torch.arange(pages * P, 2 * pages * P, device=device)
         while time.perf_counter() < end:
             for a in acks:
                 t0 = time.perf_counter()
@@ -56,7 +57,7 @@ def run(op: str, pages: int, seconds: float, batch: int, layout: str) -> None:
                 for layer in range(LAYERS):
                     h.wait_layer(layer)
             calls += batch
-            torch.cuda.synchronize()
+            sync()
     print(f"{op} {pages}p: {calls} calls, {1e6 * cpu / max(calls, 1):.1f} us per call "
           "(mean, under the sampler)")
 
@@ -80,10 +81,12 @@ def summarize(path: str, root: str, top: int) -> None:
             if not count.isdigit():
                 continue
             frames = stack.split(";")
-            names = [fr.split(" (")[0] for fr in frames]
-            if root not in names:
+            # py-spy names methods Class.method: HiCacheController.write matches "write"
+            hits = [i for i, fr in enumerate(frames)
+                    if (name := fr.split(" (")[0]) == root or name.endswith("." + root)]
+            if not hits:
                 continue
-            below = frames[names.index(root):]
+            below = frames[hits[0]:]
             k = int(count)
             n += k
             lines[below[-1]] += k
@@ -96,7 +99,7 @@ def summarize(path: str, root: str, top: int) -> None:
                            ("leaf lines", lines)):
         print(f"-- {title}")
         for key, k in counter.most_common(top):
-            print(f"{100 * k / max(n, 1):6.1f}%  {key}")
+            print(f"{100 * k / max(n, 1):6.1f}%  {key[:150]}")  # C++ templates run long
 
 
 def main() -> None:
@@ -106,6 +109,7 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=6.0)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--layout", default="page_first")
+    ap.add_argument("--device", default="cuda")
     ap.add_argument("--summarize")
     ap.add_argument("--root", default="write")
     ap.add_argument("--top", type=int, default=45)
@@ -113,7 +117,7 @@ def main() -> None:
     if args.summarize:
         summarize(args.summarize, args.root, args.top)
     else:
-        run(args.op, args.pages, args.seconds, args.batch, args.layout)
+        run(args.op, args.pages, args.seconds, args.batch, args.layout, args.device)
 
 
 if __name__ == "__main__":
