@@ -297,7 +297,8 @@ class BoundPlan:
                               page_size=self._page_size, unique=write)
             self._checked_host.add(h)
         if d.is_cpu and d not in self._checked_device:
-            check_cpu_indices("device_indices", d, self._device_size, ctx, unique=not write)
+            check_cpu_indices("device_indices", d, self._device_size, ctx, unique=not write,
+                              runs=self._page_size)
             self._checked_device.add(d)
         return h, d
 

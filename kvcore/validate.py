@@ -57,16 +57,28 @@ def check_pages(name: str, values: torch.Tensor, page_size: int, context: str = 
                              f"{pages[i, :4].tolist()}...", context)
 
 
+#: from this many runs on, finding a tensor's runs (to sort their starts only) costs less than
+#: sorting all its values (finding them costs about 4 us, sorting about 0.7 us more per run of
+#: 64 values, on a desktop core)
+RUNS_FROM = 12
+
+
 @functools.lru_cache(maxsize=16)
 def _ramp(page_size: int) -> np.ndarray:
     return np.arange(page_size, dtype=np.int64)
 
 
 def check_cpu_indices(name: str, t: torch.Tensor, size: int, context: str = "", *,
-                      page_size: int | None = None, unique: bool = False) -> None:
+                      page_size: int | None = None, unique: bool = False,
+                      runs: int | None = None) -> None:
     """Values of a CPU index tensor: in ``[0, size)``, whole pages of ``page_size`` (when
     given) and no value twice (``unique``). Runs on a NumPy view, no copy: this is on every
-    submit's path, so it must cost microseconds, not a torch dispatch per check."""
+    submit's path, so it must cost microseconds, not a torch dispatch per check.
+
+    Duplicates are looked for among the starts of the tensor's runs of consecutive values
+    where it is made of them (whole pages, or ``runs``: the length its runs usually have):
+    runs of one length overlap only where two sorted starts are closer than that length, so a
+    page's tokens are not sorted one by one."""
     a = t.numpy() if t.is_contiguous() else t.contiguous().numpy()
     n = a.size
     if n == 0:
@@ -75,6 +87,7 @@ def check_cpu_indices(name: str, t: torch.Tensor, size: int, context: str = "", 
     if lo < 0 or hi >= size:
         raise InvalidIndices(name, f"values in [0, {size})", f"{lo if lo < 0 else hi}",
                              context)
+    starts = None
     if page_size is not None and page_size > 1:
         if n % page_size:
             raise InvalidIndices(name, f"a length that is a multiple of page_size {page_size}",
@@ -83,7 +96,19 @@ def check_cpu_indices(name: str, t: torch.Tensor, size: int, context: str = "", 
         starts = pages[:, :1]
         if (starts % page_size).any() or ((pages - starts) != _ramp(page_size)).any():
             check_pages(name, t, page_size, context)  # names the first broken page
+        run = page_size
+    elif unique and runs is not None and runs > 1 and n % runs == 0 and n >= RUNS_FROM * runs:
+        rows = a.reshape(-1, runs)
+        if not ((rows - rows[:, :1]) != _ramp(runs)).any():
+            starts, run = rows[:, :1], runs
     if unique and n > 1:
+        if starts is not None:  # runs of `run` consecutive values
+            ordered = np.sort(starts.ravel())
+            dup = np.flatnonzero(ordered[1:] - ordered[:-1] < run)
+            if dup.size:  # the later run starts inside the earlier one
+                raise InvalidIndices(name, "no duplicate destination indices",
+                                     f"{int(ordered[dup[0] + 1])} more than once", context)
+            return
         ordered = np.sort(a)
         dup = np.flatnonzero(ordered[1:] == ordered[:-1])
         if dup.size:
