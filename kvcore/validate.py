@@ -136,7 +136,11 @@ class CheckedTensors:
     def add(self, t: torch.Tensor) -> None:
         """Remember ``t`` as it is now."""
         key = id(t)
-        entry = (weakref.ref(t, lambda _, k=key: self._forget(k)), t._version, t.data_ptr())
+        # a bounded memory lets its dead entries age out; an unbounded one drops them as
+        # their tensors go
+        ref = (weakref.ref(t) if self._capacity is not None
+               else weakref.ref(t, lambda _, k=key: self._forget(k)))
+        entry = (ref, t._version, t.data_ptr())
         with self._lock:
             entries = self._entries
             entries.pop(key, None)
