@@ -269,10 +269,10 @@ class BoundPlan:
         Always: type, dtype, rank, device, equal lengths and ``layer``. Values of tensors on
         the CPU: range, whole host pages, no duplicate destination (host slots for a
         write-back, device slots for a load). ``host_trusted`` skips the value checks of
-        ``host_indices`` (the controller's own allocator made them). The values of a CPU
-        tensor this plan checked before and that was not modified since are not checked
-        again (:class:`~kvcore.validate.CheckedTensors`): an engine that submits each layer of
-        a load with the same tensors pays for the check once.
+        ``host_indices`` (the controller's own allocator made them). A CPU tensor this plan
+        checked before and that holds the same values is not checked again
+        (:class:`~kvcore.validate.CheckedTensors`): an engine that submits each layer of a
+        load with the same tensors pays for the check once.
         """
         ctx = self.plan.context
         h = check_index_tensor("host_indices", host_indices, ctx)

@@ -118,29 +118,28 @@ def check_cpu_indices(name: str, t: torch.Tensor, size: int, context: str = "", 
 
 class CheckedTensors:
     """CPU index tensors whose values need no check again: checked already (or made by kvcore
-    itself) and unmodified since.
+    itself) and holding the same values since.
 
-    A tensor counts while it is the same object with the same version counter (torch bumps it
-    on every in-place write through torch) and the same data address. A write through a NumPy
-    view of the tensor does not bump the counter: such a change is not seen here, and what
-    still refuses its out-of-range values is the backend (before enqueueing, or at completion;
-    no backend dereferences one). ``capacity``: how many tensors are remembered (the oldest is
-    forgotten first); None: every one alive.
+    A tensor counts while it is the same object, of the same dtype, holding byte for byte the
+    values it held when remembered (a copy of them is kept): whatever wrote into it since,
+    torch or a NumPy view, a changed value is checked again. Comparing costs about a
+    microsecond per thousand indices, against the tens a check costs. ``capacity``: how many
+    tensors are remembered (the oldest is forgotten first); None: every one alive.
     """
 
     def __init__(self, capacity: int | None = None) -> None:
         self._capacity = capacity
-        self._entries: dict[int, tuple[weakref.ref[torch.Tensor], int, int]] = {}
+        self._entries: dict[int, tuple[weakref.ref[torch.Tensor], torch.dtype, bytes]] = {}
         self._lock = threading.Lock()
 
     def add(self, t: torch.Tensor) -> None:
-        """Remember ``t`` as it is now."""
+        """Remember ``t`` with its values now (a CPU tensor)."""
         key = id(t)
         # a bounded memory lets its dead entries age out; an unbounded one drops them as
         # their tensors go
         ref = (weakref.ref(t) if self._capacity is not None
                else weakref.ref(t, lambda _, k=key: self._forget(k)))
-        entry = (ref, t._version, t.data_ptr())
+        entry = (ref, t.dtype, t.numpy().tobytes())
         with self._lock:
             entries = self._entries
             entries.pop(key, None)
@@ -151,8 +150,8 @@ class CheckedTensors:
     def __contains__(self, t: object) -> bool:
         entry = self._entries.get(id(t))
         return (entry is not None and entry[0]() is t
-                and t._version == entry[1]  # type: ignore[attr-defined]
-                and t.data_ptr() == entry[2])  # type: ignore[attr-defined]
+                and t.dtype is entry[1] and t.is_cpu  # type: ignore[attr-defined]
+                and t.numpy().tobytes() == entry[2])  # type: ignore[attr-defined]
 
     def __len__(self) -> int:
         return len(self._entries)

@@ -21,7 +21,7 @@ from .helpers import make_pools, page_tokens, reference_only
 P = 4
 
 
-def test_a_remembered_tensor_counts_until_torch_writes_into_it() -> None:
+def test_a_remembered_tensor_counts_while_it_holds_the_same_values() -> None:
     seen = CheckedTensors()
     t = torch.arange(8)
     assert t not in seen
@@ -31,10 +31,16 @@ def test_a_remembered_tensor_counts_until_torch_writes_into_it() -> None:
     t[0] = 5
     assert t not in seen
     seen.add(t)
-    t.add_(1)
+    t.numpy()[1] = 7  # a write torch's version counter does not see
     assert t not in seen
     seen.add(t)
-    t.set_(torch.arange(8))  # the same object, another memory
+    t.add_(1)
+    t.sub_(1)  # written twice, back to the values remembered
+    assert t in seen
+    t.set_(torch.arange(8) * 2)  # the same object, other memory and values
+    assert t not in seen
+    seen.add(t)
+    t.data = t.to(torch.int32)  # same values, another dtype
     assert t not in seen
     assert [1, 2] not in seen and None not in seen
 
@@ -102,13 +108,16 @@ def test_a_checked_tensor_changed_in_place_is_checked_again_and_refused(
     bound = _bound(Op.LOAD_LAYER)
     h, d = page_tokens([5, 2], P), page_tokens([1, 6], P)
     bound.submit(h, d, layer=0)
-    h[0] = 8 * P + 3  # out of the host pool
+    h.numpy()[0] = 8 * P + 3  # out of the host pool, behind torch's back
     with pytest.raises(InvalidIndices, match="host_indices"):
         bound.submit(h, d, layer=1)
+    h[0] = 5 * P
+    bound.submit(h, d, layer=1)
     d[1] = d[0]  # two tokens into one device slot
     with pytest.raises(InvalidIndices, match=r"device_indices.*more than once"):
         bound.submit(page_tokens([5, 2], P), d, layer=1)
-    assert checks.count("device_indices") == 2
+    # h back to the values checked first needs no check; the new host tensor does
+    assert checks.count("device_indices") == 2 and checks.count("host_indices") == 3
 
 
 def test_checked_as_host_indices_is_not_checked_as_device_indices(checks: list[str]) -> None:
