@@ -131,8 +131,8 @@ class HiCacheController:
         self.write_stream = new_stream(self.device)
         self.load_stream = new_stream(self.device)
         self._fence = Fence(self.device)
-        # host index tensors this controller's allocator made (an ack's), while unmodified:
-        # handed back to load(), their values need no check again
+        # host index tensors this controller's allocator made (an ack's): handed back to load()
+        # still holding those values, they need no check again
         self._issued = CheckedTensors()
         self._health = Health()
         self._writes = WriteQueue(self.allocator, self.write_stream, self._health, rounds)

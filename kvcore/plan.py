@@ -253,8 +253,8 @@ class BoundPlan:
                                                            None)) \
             if has_streams(self.device) else None
         self._fence = Fence(self.device)
-        # CPU index tensors whose values this plan checked, while unmodified (by role: the
-        # bounds differ)
+        # CPU index tensors this plan checked, while they hold the values checked (by role:
+        # the bounds differ)
         self._checked_host = CheckedTensors(CHECKED_TENSORS)
         self._checked_device = CheckedTensors(CHECKED_TENSORS)
 
