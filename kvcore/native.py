@@ -252,9 +252,10 @@ class NativeBackend:
                        staging.data_ptr(), staging.numel(), batched, s or None, done.bounds)
                 return done
 
-            if op is Op.WRITE_BACK and self._async_write_back():
+            route = self._write_back_route() if op is Op.WRITE_BACK else "0"
+            if route != "0":
                 return self._staged_async_runner(job, run_staged, k_ptrs, v_ptrs, host_base,
-                                                 layout)
+                                                 layout, inline=route == "inline")
             return run_staged
         if op is Op.LOAD_LAYER and variant == self.DMA and \
                 "kvio_load_layer_dma" in getattr(self.lib, "optional", ()):
@@ -330,24 +331,26 @@ class NativeBackend:
 
         return run_dma
 
-    def _async_write_back(self) -> bool:
-        """Whether staged write-backs go through the library's thread: the library has the
-        functions, and :func:`write_back_mode` is not ``0``."""
-        has = getattr(self.lib, "has_async_write_back", None)
-        return has is not None and bool(has()) and write_back_mode() != "0"
+    def _write_back_route(self) -> str:
+        """How the controller's staged write-backs go: :func:`write_back_mode` as far as the
+        library carries it out (``0`` where it lacks the thread's functions, ``1`` for
+        ``inline`` where it lacks ``kvio_write_back_staged_inline``). ``inline`` is an
+        experiment until measured on a GPU: the caller's order point and the completion
+        event are then made by the library in the same call, instead of a fence and an event
+        through torch."""
+        if not self._offers("has_async_write_back"):
+            return "0"
+        mode = write_back_mode()
+        return "1" if mode == "inline" and not self._offers("has_inline_write_back") else mode
 
-    def _inline_write_back(self) -> bool:
-        """Whether staged write-backs too small for the thread are issued as inline jobs
-        (``kvio_write_back_staged_inline``): the library has the function and
-        :func:`write_back_mode` is ``inline``. An experiment until measured on a GPU: the
-        caller's order point and the completion event are then made by the library in the
-        same call, instead of a fence and an event through torch."""
-        has = getattr(self.lib, "has_inline_write_back", None)
-        return has is not None and bool(has()) and write_back_mode() == "inline"
+    def _offers(self, query: str) -> bool:
+        """Whether the library answers its optional ``query`` (a ``has_...`` method) yes."""
+        has = getattr(self.lib, query, None)
+        return has is not None and bool(has())
 
     def _staged_async_runner(self, job: TransferJob, run_staged: Runner, k_ptrs: int | None,
                              v_ptrs: int | None, host_base: int | None,
-                             layout: KvioLayout) -> Runner:
+                             layout: KvioLayout, inline: bool) -> Runner:
         """The staged write-back runner that hands each transfer of at least
         :data:`ASYNC_WRITE_BACK_MIN_BYTES` ordered after another stream (``after``: the
         controller's caller) to the library's thread
@@ -357,12 +360,11 @@ class NativeBackend:
         plan passes that stream instead of fencing. Without ``after`` (the plan API: the
         transfer must be on ``stream`` when the submit returns), or below that size,
         ``run_staged`` (the synchronous runner) enqueues it here; below that size with
-        ``after``, an inline job (:meth:`_inline_write_back`) where enabled."""
+        ``after``, an inline job where ``inline`` (:meth:`_write_back_route`)."""
         lib = self.lib
         unchecked = lib.unchecked  # type: ignore[attr-defined]
         handed = unchecked("kvio_write_back_staged_async")
-        inline = (unchecked("kvio_write_back_staged_inline") if self._inline_write_back()
-                  else None)
+        inline_call = unchecked("kvio_write_back_staged_inline") if inline else None
         flush_at_exit(lib)
         issue, raw, staging_of = self._reports().issue, self.stream_handle, self.staging
         num_layers, batched = job.host_geometry.num_layers, int(self.use_batched)
@@ -380,8 +382,8 @@ class NativeBackend:
                 return run_staged(h, d, layer, stream, chained)  # type: ignore[no-any-return]
             if h.numel() >= handed_from:
                 call, name = handed, "kvio_write_back_staged_async"
-            elif inline is not None:
-                call, name = inline, "kvio_write_back_staged_inline"
+            elif inline_call is not None:
+                call, name = inline_call, "kvio_write_back_staged_inline"
             else:  # small: issued here, after the caller's stream
                 fence.order(stream, after)
                 return run_staged(h, d, layer, stream, chained)  # type: ignore[no-any-return]
