@@ -241,6 +241,15 @@ PROTOTYPES: dict[str, tuple[Any, tuple[Any, ...]]] = {
     )),
 }
 
+#: the staged write-back as a job (kvio_write_back_staged_async and _inline): its arguments,
+#: then the stream it follows, the bounds (copied by the call) and the job handle (out)
+_STAGED_JOB = (_c.c_int, (
+    *PROTOTYPES["kvio_write_back_staged"][1][:-1],
+    _c.c_void_p,    # after_stream (the transfer follows its work so far; `stream`: none)
+    _BOUNDS_P,      # bounds
+    _c.POINTER(_c.c_void_p),  # job (out)
+))
+
 #: functions a library may export on top of PROTOTYPES (each has a ``has_...`` query)
 OPTIONAL_PROTOTYPES: dict[str, tuple[Any, tuple[Any, ...]]] = {
     # kvio_transfer_direct's arguments; the caller vouches for the chained-load guarantee
@@ -303,19 +312,9 @@ OPTIONAL_PROTOTYPES: dict[str, tuple[Any, tuple[Any, ...]]] = {
         _c.c_void_p,    # stream
     )),
     # the staged write-back issued by a library thread (the caller only hands it over)
-    "kvio_write_back_staged_async": (_c.c_int, (
-        *PROTOTYPES["kvio_write_back_staged"][1][:-1],
-        _c.c_void_p,    # after_stream (the transfer follows its work so far; `stream`: none)
-        _BOUNDS_P,      # bounds (copied by the call)
-        _c.POINTER(_c.c_void_p),  # job (out)
-    )),
+    "kvio_write_back_staged_async": _STAGED_JOB,
     # the same, issued by the calling thread before it returns (a job all the same)
-    "kvio_write_back_staged_inline": (_c.c_int, (
-        *PROTOTYPES["kvio_write_back_staged"][1][:-1],
-        _c.c_void_p,    # after_stream
-        _BOUNDS_P,      # bounds
-        _c.POINTER(_c.c_void_p),  # job (out)
-    )),
+    "kvio_write_back_staged_inline": _STAGED_JOB,
     "kvio_job_status": (_c.c_int, (_c.c_void_p,)),
     "kvio_job_wait": (_c.c_int, (_c.c_void_p,)),
     "kvio_job_release": (None, (_c.c_void_p,)),
