@@ -408,11 +408,9 @@ class BoundPlan:
         if self.op is not Op.LOAD_LAYER:
             done = (run(hp, dp, None, s, False) if after is None
                     else run(hp, dp, None, s, False, after))
-            if _issued_later(done):  # its runner hands it to another thread: its own event
-                waits = dict.fromkeys(range(self.num_layers), done) \
-                    if self.op is Op.LOAD_ALL else {}
-                return Submission(waits, done, [(None, done)])
-            event = recorded_event(self.device, s)
+            # a transfer another thread issues is its own event (one recorded on the stream
+            # now would come before its work)
+            event = done if _issued_later(done) else recorded_event(self.device, s)
             waits = dict.fromkeys(range(self.num_layers), event) \
                 if self.op is Op.LOAD_ALL else {}
             return Submission(waits, event, [] if done is None else [(None, done)])
