@@ -29,15 +29,7 @@
 #include <random>
 #include <vector>
 
-#define CK(x)                                                                            \
-    do {                                                                                 \
-        cudaError_t e_ = (x);                                                            \
-        if (e_ != cudaSuccess) {                                                         \
-            std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x,               \
-                         cudaGetErrorString(e_));                                        \
-            std::exit(1);                                                                \
-        }                                                                                \
-    } while (0)
+#include "probe_check.h"
 
 constexpr int P = 64, POOL_PAGES = 128, PAGES = 64, THREADS = 256, UNROLL = 4;
 

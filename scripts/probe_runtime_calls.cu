@@ -17,15 +17,7 @@
 #include <functional>
 #include <vector>
 
-#define CK(x)                                                                            \
-    do {                                                                                 \
-        cudaError_t e_ = (x);                                                            \
-        if (e_ != cudaSuccess) {                                                         \
-            std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x,               \
-                         cudaGetErrorString(e_));                                        \
-            std::exit(1);                                                                \
-        }                                                                                \
-    } while (0)
+#include "probe_check.h"
 
 __global__ void sleep_ms(int ms) {
     for (int i = 0; i < ms; ++i) {

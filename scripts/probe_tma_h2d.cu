@@ -26,15 +26,7 @@
 #include <random>
 #include <vector>
 
-#define CK(x)                                                                            \
-    do {                                                                                 \
-        cudaError_t e_ = (x);                                                            \
-        if (e_ != cudaSuccess) {                                                         \
-            std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x,               \
-                         cudaGetErrorString(e_));                                        \
-            std::exit(1);                                                                \
-        }                                                                                \
-    } while (0)
+#include "probe_check.h"
 
 constexpr int P = 64, L = 32, E = 2048, POOL_PAGES = 128;
 
