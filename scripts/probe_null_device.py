@@ -1,0 +1,226 @@
+"""kvcore's own CPU cost on a GPU's submit path, on a machine without a GPU.
+
+The controller runs kvio_cuda's variants (its capabilities, kvcore.native's runners and
+ctypes binding) against ``scripts/null_kvio.c``: the kvio ABI with every function doing
+nothing. Streams and events are stand-ins that do nothing, "device" tensors live on torch's
+meta device (shapes and no data), pinned memory is plain memory. What is timed is then
+kvcore's Python, NumPy and ctypes work inside ``write()`` and ``load()``, without the
+runtime's calls and torch's CUDA stream and event objects (on an H200 host those added
+about as much again, docs/benchmarks/h200-2026-12-04e). Use it to see what a change to the
+submit path costs or saves before a GPU is at hand, not as a GPU figure.
+
+    python scripts/probe_null_device.py                   # markdown table, median us
+    python scripts/probe_null_device.py --loop write --pages 1 --seconds 8   # for py-spy:
+    py-spy record --rate 4000 --format raw -o w.txt -- python scripts/probe_null_device.py \
+        --loop write
+    python scripts/probe_hot_path.py --summarize w.txt --root write
+
+Needs a C compiler (``cc``) and the kvio_cuda package (its capabilities only; no CUDA).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import itertools
+import shutil
+import statistics
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import kvcore.controller
+import kvcore.handles
+import kvcore.native
+import kvcore.placement
+import kvcore.plan
+import kvcore.streams
+from kvcore.capabilities import Available, BackendSpec, Capabilities, HostMemory
+from kvcore.native import NativeBackend
+from kvcore.native_abi import INCLUDE_DIR, NativeLibrary
+from kvcore.registry import Registry
+
+HERE = Path(__file__).resolve().parent
+P, LAYERS = 64, 32
+DEVICE = torch.device("meta")
+
+
+class NullStream:
+    """A stream that orders nothing; its handle is what the null library receives."""
+
+    _ids = itertools.count(1)
+
+    def __init__(self) -> None:
+        self.device, self.device_index = DEVICE, 0
+        self.stream_id = next(self._ids)
+        self.native_handle = 0x1000 + self.stream_id
+
+    def wait_event(self, event: Any) -> None:
+        pass
+
+
+class NullEvent:
+    """An event that has always completed."""
+
+    def record(self, stream: Any = None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+
+CURRENT = NullStream()
+
+
+@contextlib.contextmanager
+def _on_stream(stream: Any) -> Iterator[None]:
+    yield
+
+
+def _null_streams() -> None:
+    """kvcore's stream helpers, in every module that imported them, as stand-ins."""
+    stand_ins = {"has_streams": lambda device: True, "new_stream": lambda device: NullStream(),
+                 "current_stream": lambda device: CURRENT,
+                 "new_event": lambda device: NullEvent(),
+                 "recorded_event": lambda device, stream: NullEvent(),
+                 "on_stream": _on_stream}
+    for module in (kvcore.streams, kvcore.plan, kvcore.controller, kvcore.placement,
+                   kvcore.handles, kvcore.native):
+        for name, fn in stand_ins.items():
+            if hasattr(module, name):
+                setattr(module, name, fn)
+    # pinned memory does not exist on a CPU-only torch: plain memory stands for it
+    kvcore.native.has_streams = lambda device: False  # (flags and reports: plain memory)
+    plain = torch.empty
+    kvcore.placement.torch = type(torch)("torch_without_pinning")
+    kvcore.placement.torch.__dict__.update(torch.__dict__)
+    kvcore.placement.torch.empty = (  # type: ignore[attr-defined]
+        lambda *a, pin_memory=False, **k: plain(*a, **k))
+    torch.Tensor.record_stream = lambda self, stream: None  # type: ignore[method-assign]
+
+
+def build_library(folder: Path) -> Path:
+    cc = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if cc is None:
+        raise SystemExit("needs a C compiler (cc, gcc or clang) to build scripts/null_kvio.c")
+    out = folder / "libnull_kvio.so"
+    subprocess.run([cc, "-O2", "-shared", "-fPIC", "-w", f"-I{INCLUDE_DIR}", "-o", str(out),
+                    str(HERE / "null_kvio.c")], check=True)
+    return out
+
+
+def null_registry(library: Path) -> Registry:
+    """A registry whose only backend runs kvio_cuda's variants against the null library."""
+    import kvio_cuda
+
+    class NullCuda(NativeBackend):
+        def __init__(self, device: torch.device) -> None:
+            super().__init__(device, NativeLibrary(library, runtime="cuda", name="null_kvio"))
+            self.current_raw_stream = lambda: CURRENT.native_handle  # type: ignore[method-assign]
+
+        def raw_stream(self, stream: Any) -> int:
+            return 0 if stream is None else int(stream.native_handle)
+
+        def allocate_host(self, shape: tuple[int, ...],
+                          dtype: torch.dtype) -> tuple[torch.Tensor, HostMemory]:
+            return torch.empty(shape, dtype=dtype), HostMemory.PLAIN
+
+    caps = kvio_cuda.CAPABILITIES
+    registry = Registry({"KVCORE_PLUGINS": ""})
+    registry.register(BackendSpec(capabilities=Capabilities(
+        name="null_cuda", version="0", api_version=caps.api_version, platform="null",
+        priority=1000, probe=Available, ops=caps.ops, host_memory=HostMemory.PLAIN,
+        device_types=frozenset({DEVICE.type})), factory=NullCuda))
+    return registry
+
+
+def controller(registry: Registry, kind: str, layout: str, pages: int,
+               ) -> kvcore.controller.HiCacheController:
+    from kvcore import DevicePool
+    from kvcore.registry import allocate_host_pool
+
+    heads, dim = (8, 128) if kind == "mha" else (1, 576)
+    dev = DevicePool.allocate(kind, LAYERS, 4 * pages * P, heads, dim, torch.bfloat16, DEVICE, P)
+    host = allocate_host_pool(kind, layout, LAYERS, 4 * pages * P, heads, dim, torch.bfloat16,
+                              P, DEVICE, registry=registry)
+    return kvcore.controller.HiCacheController(dev, host, registry=registry)
+
+
+def measure(registry: Registry, kind: str, layout: str, pages: int,
+            calls: int) -> tuple[float, float, float]:
+    """Median us of one ``write()``, one ``load()`` of its ack's host indices, and the
+    ``wait_layer`` of every layer after that load (device indices on the device, as an engine
+    passes them)."""
+    ctl = controller(registry, kind, layout, pages)
+    d = torch.arange(pages * P, device=DEVICE)
+    d2 = torch.arange(pages * P, 2 * pages * P, device=DEVICE)
+    writes, loads, waits = [], [], []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        ctl.write(d)
+        writes.append(time.perf_counter() - t0)
+        for ack in ctl.poll_acks():
+            t0 = time.perf_counter()
+            handle = ctl.load(ack.host_indices, d2)
+            t1 = time.perf_counter()
+            for layer in range(LAYERS):
+                handle.wait_layer(layer)
+            t2 = time.perf_counter()
+            loads.append(t1 - t0)
+            waits.append(t2 - t1)
+            ctl.free_host(ack.host_indices)
+    return (1e6 * statistics.median(writes), 1e6 * statistics.median(loads),
+            1e6 * statistics.median(waits))
+
+
+def loop(registry: Registry, op: str, pages: int, seconds: float) -> None:
+    """``op`` calls back to back for a sampling profiler (the same ack loaded again)."""
+    ctl = controller(registry, "mha", "page_first", pages)
+    d = torch.arange(pages * P, device=DEVICE)
+    end = time.perf_counter() + seconds
+    if op == "write":
+        while time.perf_counter() < end:
+            for _ in range(4):
+                ctl.write(d)
+            for ack in ctl.poll_acks():
+                ctl.free_host(ack.host_indices)
+        return
+    ctl.write(d)
+    (ack,) = ctl.poll_acks()
+    while time.perf_counter() < end:
+        ctl.load(ack.host_indices, d)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--calls", type=int, default=2000)
+    ap.add_argument("--pages", type=int, nargs="*", default=[1, 4, 16, 64])
+    ap.add_argument("--loop", choices=("write", "load"))
+    ap.add_argument("--seconds", type=float, default=8.0)
+    args = ap.parse_args()
+    _null_streams()
+    with tempfile.TemporaryDirectory() as tmp:
+        registry = null_registry(build_library(Path(tmp)))
+        if args.loop:
+            loop(registry, args.loop, args.pages[0], args.seconds)
+            return
+        print("| kind | layout | pages | write() us | load() us | wait_layer x32 us |")
+        print("|---|---|---|---|---|---|")
+        for kind, layout in (("mha", "page_first"), ("mla", "page_first"),
+                             ("mha", "layer_first")):
+            for pages in args.pages:
+                w, ld, wt = measure(registry, kind, layout, pages, args.calls)
+                print(f"| {kind} | {layout} | {pages} | {w:.1f} | {ld:.1f} | {wt:.1f} |",
+                      flush=True)
+
+
+if __name__ == "__main__":
+    main()
