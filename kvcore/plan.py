@@ -155,19 +155,23 @@ class Submission:
     everything already ran when ``submit`` returned.
     """
 
-    __slots__ = ("_done", "_one", "_waits", "event")
+    __slots__ = ("_done", "_layers", "_one", "_waits", "event")
 
     def __init__(self, waits: dict[int, Any], event: Any,
-                 completions: list[tuple[int | None, Any]], one: Any = None) -> None:
+                 completions: list[tuple[int | None, Any]], one: Any = None,
+                 layers: int = 0) -> None:
         self._waits = waits
         self.event = event
         self._done = completions  # (layer the completion belongs to, None: every layer)
-        self._one = one  # the wait of every layer, where one object serves them all
+        # the wait of layers [0, layers) where one object serves them all (then ``waits`` is
+        # not consulted: no dict of every layer is built per submit)
+        self._one = one
+        self._layers = layers if one is not None else 0
 
     @property
     def layers(self) -> tuple[int, ...]:
         """The layers a consumer can wait for (every layer of a load; none for a write)."""
-        return tuple(self._waits)
+        return tuple(range(self._layers)) if self._one is not None else tuple(self._waits)
 
     @property
     def completions(self) -> list[Any]:
@@ -175,7 +179,10 @@ class Submission:
         return [c for _, c in self._done]
 
     def wait_layer(self, layer: int, stream: Any) -> None:
-        wait = self._waits.get(layer)
+        if self._one is not None:
+            wait = self._one if 0 <= layer < self._layers else None
+        else:
+            wait = self._waits.get(layer)
         if wait is None or stream is None:
             return
         if hasattr(wait, "wait_layer"):  # LayerSignals (not isinstance: a Protocol check
@@ -244,6 +251,7 @@ class BoundPlan:
         self._host_size = g.size
         self._device_size = device_pool.size
         self._page_size = g.page_size
+        self._context = plan.context  # (every check names it; built once)
         self._runners = {id(v): runner_for(self.backend, self._template(v))
                          for v in (self.support, self.device_support)}
         # (host indices on the CPU, device indices on the CPU) -> the variant that runs
@@ -260,7 +268,7 @@ class BoundPlan:
 
     @property
     def context(self) -> str:
-        return self.plan.context
+        return self._context
 
     def check(self, host_indices: object, device_indices: object, layer: int | None = None,
               *, host_trusted: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -274,7 +282,7 @@ class BoundPlan:
         (:class:`~kvcore.validate.CheckedTensors`): an engine that submits each layer of a
         load with the same tensors pays for the check once.
         """
-        ctx = self.plan.context
+        ctx = self._context
         h = check_index_tensor("host_indices", host_indices, ctx)
         d = check_index_tensor("device_indices", device_indices, ctx)
         for name, t in (("host_indices", h), ("device_indices", d)):
@@ -357,7 +365,9 @@ class BoundPlan:
         support = self._routes[(h.is_cpu, d.is_cpu)]
         s = stream if stream is not None else current_stream(self.device)
         device = self.device
-        if fits(h, support.host_index, device) and fits(d, support.device_index, device):
+        h_placed = fits(h, support.host_index, device)
+        d_placed = fits(d, support.device_index, device)
+        if h_placed and d_placed:
             return self._enqueue(support, h, d, layer, s, chained, after)
         segments: list[int] = []
         sub: Submission | None = None
@@ -365,16 +375,19 @@ class BoundPlan:
             ring = self._ring
             if ring is not None and ring.upload is not None:  # no stream switch needed
                 # CPU indices only: what they read the CPU wrote, so no need to follow `after`
-                h = self._place_on_stream(h, support.host_index, segments, s, ring_only=True)
-                d = self._place_on_stream(d, support.device_index, segments, s, ring_only=True)
-            if not (fits(h, support.host_index, device) and fits(d, support.device_index,
-                                                                  device)):
+                if not h_placed:
+                    h, h_placed = self._ring_stage(h, support.host_index, segments, s)
+                if not d_placed:
+                    d, d_placed = self._ring_stage(d, support.device_index, segments, s)
+            if not (h_placed and d_placed):
                 if after is not None:  # before anything reads a tensor `after` may write
                     self._fence.order(s, after)
                     after = None
                 with on_stream(s):  # copies and allocations are ordered on the stream
-                    h = self._place_on_stream(h, support.host_index, segments, s)
-                    d = self._place_on_stream(d, support.device_index, segments, s)
+                    if not h_placed:
+                        h = self._place_on_stream(h, support.host_index, segments, s)
+                    if not d_placed:
+                        d = self._place_on_stream(d, support.device_index, segments, s)
             sub = self._enqueue(support, h, d, layer, s, chained, after)
         finally:  # the ring's slots are free once what read them (or nothing) completed
             if segments:
@@ -384,20 +397,25 @@ class BoundPlan:
         assert sub is not None
         return sub
 
-    def _place_on_stream(self, t: torch.Tensor, spec: IndexSpec, segments: list[int],
-                         stream: Any, ring_only: bool = False) -> torch.Tensor:
-        """``t`` where ``spec`` wants it: through the ring where it can take it, else (unless
-        ``ring_only``) by :func:`place` on the current stream, which must be ``stream``."""
-        if fits(t, spec, self.device):
-            return t
+    def _ring_stage(self, t: torch.Tensor, spec: IndexSpec, segments: list[int],
+                    stream: Any) -> tuple[torch.Tensor, bool]:
+        """``t`` copied to the device through the ring where ``spec`` wants it there and the
+        ring can take it (then placed: True), else ``t`` itself (False)."""
         if (self._ring is not None and t.is_cpu and spec.residency is Residency.DEVICE
                 and t.is_contiguous()):
             dtype = t.dtype if t.dtype in spec.dtypes else spec.dtypes[0]
             staged = self._ring.stage(t, dtype, stream)
             if staged is not None:
                 segments.append(staged[1])
-                return staged[0]
-        return t if ring_only else place(t, spec, self.device)
+                return staged[0], True
+        return t, False
+
+    def _place_on_stream(self, t: torch.Tensor, spec: IndexSpec, segments: list[int],
+                         stream: Any) -> torch.Tensor:
+        """``t`` (not yet where ``spec`` wants it) placed: through the ring where it can take
+        it, else by :func:`place` on the current stream, which must be ``stream``."""
+        staged, placed = self._ring_stage(t, spec, segments, stream)
+        return staged if placed else place(t, spec, self.device)
 
     def _enqueue(self, support: OpSupport, hp: torch.Tensor, dp: torch.Tensor,
                  layer: int | None, s: Any, chained: bool, after: Any = None) -> Submission:
@@ -411,9 +429,9 @@ class BoundPlan:
             # a transfer another thread issues is its own event (one recorded on the stream
             # now would come before its work)
             event = done if _issued_later(done) else recorded_event(self.device, s)
-            waits = dict.fromkeys(range(self.num_layers), event) \
-                if self.op is Op.LOAD_ALL else {}
-            return Submission(waits, event, [] if done is None else [(None, done)])
+            return Submission({}, event, [] if done is None else [(None, done)],
+                              one=event if self.op is Op.LOAD_ALL else None,
+                              layers=self.num_layers)
         if layer is not None:
             done = run(hp, dp, layer, s, chained)
             event = recorded_event(self.device, s)
@@ -427,8 +445,8 @@ class BoundPlan:
                     "so a job for every layer must return LayerSignals (wait_layer, "
                     f"check); it returned {type(signals).__name__}")
             event = recorded_event(self.device, s)
-            return Submission(dict.fromkeys(range(self.num_layers), signals), event,
-                              [(None, signals)], one=signals)
+            return Submission({}, event, [(None, signals)], one=signals,
+                              layers=self.num_layers)
         waits: dict[int, Any] = {}
         completions = []
         for n in range(self.num_layers):

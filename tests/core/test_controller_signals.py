@@ -145,15 +145,22 @@ class Event:
 
 
 def _handle(signals: Signals, failures: list[BaseException]) -> LoadHandle:
-    sub = Submission(dict.fromkeys(range(LAYERS), signals), Event(), [(None, signals)])
+    sub = Submission({}, Event(), [(None, signals)], one=signals, layers=LAYERS)
     return LoadHandle([sub], LAYERS, torch.device("cpu"), failures.append)
 
 
-def test_a_submission_with_signals_waits_on_the_layers_own_signal() -> None:
+@pytest.mark.parametrize("form", ["one object for every layer", "a wait per layer"])
+def test_a_submission_with_signals_waits_on_the_layers_own_signal(form: str) -> None:
     signals = Signals()
-    sub = Submission(dict.fromkeys(range(LAYERS), signals), Event(), [(None, signals)])
+    sub = (Submission({}, Event(), [(None, signals)], one=signals, layers=LAYERS)
+           if form.startswith("one") else
+           Submission(dict.fromkeys(range(LAYERS), signals), Event(), [(None, signals)]))
+    assert sub.layers == tuple(range(LAYERS))
     sub.wait_layer(2, "stream")
     sub.wait_layer(0, "stream")
+    sub.wait_layer(LAYERS, "stream")  # a layer it did not move needs no wait
+    sub.wait_layer(-1, "stream")
+    sub.wait_layer(1, None)  # no stream (the CPU): nothing to order
     assert signals.waits == [(2, "stream"), (0, "stream")]
     assert sub.query() and signals.checks == 0
 
