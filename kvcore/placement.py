@@ -47,6 +47,13 @@ def stream_key(stream: Any) -> Any:
     return stream if sid is None else (stream.device_index, sid)
 
 
+def pinned_empty(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    """Uninitialised pinned host memory, which a copy to the device reads without waiting (the
+    one place this module pins: :mod:`kvcore.testing.stand_in_streams` swaps it for plain
+    memory where torch has none)."""
+    return torch.empty(shape, dtype=dtype, pin_memory=True)
+
+
 def fits(indices: torch.Tensor, spec: IndexSpec, device: torch.device) -> bool:
     """Whether ``indices`` already are where and how ``spec`` wants them."""
     if indices.dtype not in spec.dtypes or not indices.is_contiguous():
@@ -67,7 +74,7 @@ def place(indices: torch.Tensor, spec: IndexSpec, device: torch.device) -> torch
     if indices.device == target and indices.dtype == dtype and indices.is_contiguous():
         return indices
     if indices.device.type == "cpu" and has_streams(target):
-        staged = torch.empty(indices.shape, dtype=dtype, pin_memory=True)
+        staged = pinned_empty(indices.shape, dtype)
         staged.copy_(indices)
         return staged.to(target, non_blocking=True)
     return indices.to(device=target, dtype=dtype).contiguous()
@@ -223,6 +230,6 @@ class IndexRing:
 
     def _allocate(self) -> None:
         size = self.segment_bytes * len(self._segments)
-        self._pinned = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+        self._pinned = pinned_empty((size,), torch.uint8)
         self._device_mem = torch.empty(size, dtype=torch.uint8, device=self.device)
         self._host_view = self._pinned.numpy()

@@ -2,8 +2,9 @@
 
 The controller runs kvio_cuda's variants (its capabilities, kvcore.native's runners and
 ctypes binding) against ``scripts/null_kvio.c``: the kvio ABI with every function doing
-nothing. Streams and events are stand-ins that do nothing, "device" tensors live on torch's
-meta device (shapes and no data), pinned memory is plain memory. What is timed is then
+nothing. Streams and events are stand-ins that do nothing
+(:mod:`kvcore.testing.stand_in_streams`), "device" tensors live on torch's meta device
+(shapes and no data), pinned memory is plain memory. What is timed is then
 kvcore's Python, NumPy and ctypes work inside ``write()`` and ``load()``, without the
 runtime's calls and torch's CUDA stream and event objects (on an H200 host those added
 about as much again, docs/benchmarks/h200-2026-12-04e). Use it to see what a change to the
@@ -21,90 +22,26 @@ Needs a C compiler (``cc``) and the kvio_cuda package (its capabilities only; no
 from __future__ import annotations
 
 import argparse
-import contextlib
-import itertools
 import shutil
 import statistics
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
 import kvcore.controller
-import kvcore.handles
-import kvcore.native
-import kvcore.placement
-import kvcore.plan
-import kvcore.streams
 from kvcore.capabilities import Available, BackendSpec, Capabilities, HostMemory
 from kvcore.native import NativeBackend
 from kvcore.native_abi import INCLUDE_DIR, NativeLibrary
 from kvcore.registry import Registry
+from kvcore.testing.stand_in_streams import NullStream, stand_in_streams
 
 HERE = Path(__file__).resolve().parent
 P, LAYERS = 64, 32
 DEVICE = torch.device("meta")
-
-
-class NullStream:
-    """A stream that orders nothing; its handle is what the null library receives."""
-
-    _ids = itertools.count(1)
-
-    def __init__(self) -> None:
-        self.device, self.device_index = DEVICE, 0
-        self.stream_id = next(self._ids)
-        self.native_handle = 0x1000 + self.stream_id
-
-    def wait_event(self, event: Any) -> None:
-        pass
-
-
-class NullEvent:
-    """An event that has always completed."""
-
-    def record(self, stream: Any = None) -> None:
-        pass
-
-    def query(self) -> bool:
-        return True
-
-    def synchronize(self) -> None:
-        pass
-
-
-CURRENT = NullStream()
-
-
-@contextlib.contextmanager
-def _on_stream(stream: Any) -> Iterator[None]:
-    yield
-
-
-def _null_streams() -> None:
-    """kvcore's stream helpers, in every module that imported them, as stand-ins."""
-    stand_ins = {"has_streams": lambda device: True, "new_stream": lambda device: NullStream(),
-                 "current_stream": lambda device: CURRENT,
-                 "new_event": lambda device: NullEvent(),
-                 "recorded_event": lambda device, stream: NullEvent(),
-                 "on_stream": _on_stream}
-    for module in (kvcore.streams, kvcore.plan, kvcore.controller, kvcore.placement,
-                   kvcore.handles, kvcore.native):
-        for name, fn in stand_ins.items():
-            if hasattr(module, name):
-                setattr(module, name, fn)
-    # pinned memory does not exist on a CPU-only torch: plain memory stands for it
-    kvcore.native.has_streams = lambda device: False  # (flags and reports: plain memory)
-    plain = torch.empty
-    kvcore.placement.torch = type(torch)("torch_without_pinning")
-    kvcore.placement.torch.__dict__.update(torch.__dict__)
-    kvcore.placement.torch.empty = (  # type: ignore[attr-defined]
-        lambda *a, pin_memory=False, **k: plain(*a, **k))
-    torch.Tensor.record_stream = lambda self, stream: None  # type: ignore[method-assign]
 
 
 def build_library(folder: Path) -> Path:
@@ -117,14 +54,14 @@ def build_library(folder: Path) -> Path:
     return out
 
 
-def null_registry(library: Path) -> Registry:
+def null_registry(library: Path, current: NullStream) -> Registry:
     """A registry whose only backend runs kvio_cuda's variants against the null library."""
     import kvio_cuda
 
     class NullCuda(NativeBackend):
         def __init__(self, device: torch.device) -> None:
             super().__init__(device, NativeLibrary(library, runtime="cuda", name="null_kvio"))
-            self.current_raw_stream = lambda: CURRENT.native_handle  # type: ignore[method-assign]
+            self.current_raw_stream = lambda: current.native_handle  # type: ignore[method-assign]
 
         def raw_stream(self, stream: Any) -> int:
             return 0 if stream is None else int(stream.native_handle)
@@ -206,9 +143,8 @@ def main() -> None:
     ap.add_argument("--loop", choices=("write", "load"))
     ap.add_argument("--seconds", type=float, default=8.0)
     args = ap.parse_args()
-    _null_streams()
-    with tempfile.TemporaryDirectory() as tmp:
-        registry = null_registry(build_library(Path(tmp)))
+    with tempfile.TemporaryDirectory() as tmp, stand_in_streams(DEVICE.type) as current:
+        registry = null_registry(build_library(Path(tmp)), current)
         if args.loop:
             loop(registry, args.loop, args.pages[0], args.seconds)
             return

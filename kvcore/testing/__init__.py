@@ -10,5 +10,7 @@ Modules: :mod:`~kvcore.testing.cases` (what a case is, which cases a claim calls
 :mod:`~kvcore.testing.harness` (running and judging one case), :mod:`~kvcore.testing.suite`
 (the test classes, to subclass), :mod:`~kvcore.testing.plugin` (the pytest plugin),
 :mod:`~kvcore.testing.runner` (``pytest.main`` with a per-row result matrix),
-:mod:`~kvcore.testing.recording` (observing what ``run()`` receives).
+:mod:`~kvcore.testing.recording` (observing what ``run()`` receives),
+:mod:`~kvcore.testing.stand_in_streams` (the GPU's submit path on the CPU, for a library
+emulated there).
 """

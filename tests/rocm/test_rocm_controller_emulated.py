@@ -1,0 +1,209 @@
+"""The controller along the path a GPU takes, with real bytes, on the CPU.
+
+kvio_rocm's real host source and kernel bodies, built as a CPU library (``-DKVIO_EMULATE``),
+run under :func:`kvcore.testing.stand_in_streams`: the controller's transfer streams, fences
+and events are stand-ins, so CPU host indices go through the index ring into "device" memory
+with the library's ``kvio_copy_to_device``, as they do on a GPU, and the kernels move real
+bytes. Every step is compared byte for byte, whole pools (so untouched slots too), with the
+same steps through the reference backend on the same fresh random data; destination pages
+hold random poison, never zeros. Ordering between streams is not exercised (nothing here
+runs asynchronously); what is: index placement through the ring and its reuse, the staged and
+direct native runners, the write queue, load handles and their waits.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from kvio_rocm import CAPABILITIES, build
+from kvio_rocm._native import NativeLibrary
+
+from kvcore import DevicePool, HiCacheController, HostPool
+from kvcore.capabilities import Available, BackendSpec, Capabilities, HostMemory
+from kvcore.errors import BuildError
+from kvcore.layout import Geometry, Kind, Layout, Op, host_shape
+from kvcore.native import NativeBackend
+from kvcore.registry import Registry
+from kvcore.testing.stand_in_streams import stand_in_streams
+from kvcore.verify import random_fill
+
+REFERENCE = Registry({"KVCORE_PLUGINS": ""})
+
+#: (kind, layout, layers, heads, head_dim, page_size): the first MHA row's pages are 64 KiB,
+#: so write-back and all-layer load take kvio_rocm's staged variant; the others go direct
+CASES = [
+    (Kind.MHA, Layout.PAGE_FIRST, 2, 4, 128, 32),
+    (Kind.MHA, Layout.PAGE_FIRST, 3, 2, 16, 4),
+    (Kind.MHA, Layout.LAYER_FIRST, 3, 2, 16, 4),
+    (Kind.MLA, Layout.PAGE_FIRST, 2, 1, 64, 8),
+]
+DEVICE_PAGES, HOST_PAGES = 12, 10
+
+
+def _case_id(case: tuple[Any, ...]) -> str:
+    kind, layout, layers, heads, dim, page = case
+    return f"{kind.value}-{layout.value}-{layers}x{heads}x{dim}-p{page}"
+
+
+@pytest.fixture(scope="module")
+def emulated(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    try:
+        cxx = build.find_emulation_compiler()
+    except BuildError as exc:
+        if os.environ.get("KVIO_REQUIRE_CODEGEN"):
+            pytest.fail(str(exc))
+        pytest.skip(str(exc))
+    cache = tmp_path_factory.mktemp("kvio_rocm_emul_cache")
+    cache.chmod(stat.S_IRWXU)
+    return build.build_emulated(cache_dir=Path(cache), cxx=cxx)
+
+
+@pytest.fixture
+def on_gpu_path(emulated: Path) -> Iterator[Registry]:
+    """A registry whose only backend is kvio_rocm's emulated library, claiming the CPU, with
+    the CPU treated as a device with streams for the test's duration."""
+
+    class Emulated(NativeBackend):
+        def __init__(self, device: torch.device) -> None:
+            super().__init__(device, NativeLibrary(emulated))
+            upload = self.upload_indices
+            self.uploads = 0  # index copies to the "device" through the library
+
+            def counted(dst: int, src: int, nbytes: int, stream: Any) -> None:
+                self.uploads += 1
+                upload(dst, src, nbytes, stream)
+
+            self.upload_indices = counted
+
+        def allocate_host(self, shape: tuple[int, ...],
+                          dtype: torch.dtype) -> tuple[torch.Tensor, HostMemory]:
+            return torch.empty(shape, dtype=dtype), HostMemory.PLAIN
+
+    registry = Registry({"KVCORE_PLUGINS": ""})
+    registry.register(BackendSpec(capabilities=Capabilities(
+        name="rocm_emulated", version="0", api_version=CAPABILITIES.api_version,
+        platform="cpu emulation", priority=1000, probe=Available, ops=CAPABILITIES.ops,
+        host_memory=HostMemory.PLAIN, device_types=frozenset({"cpu"})), factory=Emulated))
+    with stand_in_streams("cpu"):
+        yield registry
+
+
+def _pools(case: tuple[Any, ...], seed: int) -> tuple[DevicePool, HostPool]:
+    kind, layout, layers, heads, dim, page = case
+    gen = torch.Generator().manual_seed(seed)
+    dev = DevicePool.allocate(kind, layers, DEVICE_PAGES * page, heads, dim, torch.bfloat16,
+                              "cpu", page)
+    g = Geometry(kind, layout, layers, HOST_PAGES * page, heads, dim, page)
+    host = HostPool.wrap(torch.empty(host_shape(g), dtype=torch.bfloat16), kind, layout,
+                         layers, heads, dim, page)
+    for t in [*dev.all_buffers(), host.buffer]:
+        random_fill(t, gen)
+    return dev, host
+
+
+def _twin(dev: DevicePool, host: HostPool) -> tuple[DevicePool, HostPool]:
+    """The same pools, cloned (the reference's copy of the starting state)."""
+    g = host.geometry
+    twin = DevicePool.allocate(dev.kind, dev.num_layers, dev.size, dev.head_num, dev.head_dim,
+                               dev.dtype, "cpu", dev.page_size)
+    for a, b in zip(twin.all_buffers(), dev.all_buffers(), strict=True):
+        a.copy_(b)
+    return twin, HostPool.wrap(host.buffer.clone(), g.kind, g.layout, g.num_layers, g.head_num,
+                               g.head_dim, g.page_size)
+
+
+def _assert_same(what: str, a: tuple[DevicePool, HostPool],
+                 b: tuple[DevicePool, HostPool]) -> None:
+    assert torch.equal(a[1].buffer.view(torch.int16), b[1].buffer.view(torch.int16)), \
+        f"{what}: host pools differ"
+    for i, (x, y) in enumerate(zip(a[0].all_buffers(), b[0].all_buffers(), strict=True)):
+        assert torch.equal(x.view(torch.int16), y.view(torch.int16)), \
+            f"{what}: device buffer {i} differs"
+
+
+def _pages(pages: list[int], page: int) -> torch.Tensor:
+    return (torch.tensor(pages)[:, None] * page + torch.arange(page)).flatten()
+
+
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_writes_and_loads_move_what_the_reference_moves(on_gpu_path: Registry,
+                                                        case: tuple[Any, ...]) -> None:
+    page = case[-1]
+    gen = torch.Generator().manual_seed(7)
+    native = _pools(case, seed=11)
+    ref = _twin(*native)
+    ctl = HiCacheController(*native, registry=on_gpu_path)
+    ref_ctl = HiCacheController(*ref, registry=REFERENCE)
+    assert ctl.plan("write_back").backend_name == "rocm_emulated"
+    for step in range(4):
+        src = _pages(torch.randperm(DEVICE_PAGES, generator=gen)[:2].tolist(), page)
+        acks = [c.write(src) for c in (ctl, ref_ctl)]
+        assert [len(c.wait_acks()) for c in (ctl, ref_ctl)] == [1, 1]
+        assert torch.equal(acks[0].host_indices, acks[1].host_indices)
+        _assert_same(f"step {step}: write-back", native, ref)
+        dst = _pages(torch.randperm(DEVICE_PAGES, generator=gen)[:2].tolist(), page)
+        for all_layers in (False, True):
+            for c, ack in zip((ctl, ref_ctl), acks, strict=True):
+                handle = c.load(ack.host_indices, dst, all_layers=all_layers)
+                for layer in range(handle.num_layers):
+                    handle.wait_layer(layer)
+                handle.wait()
+            _assert_same(f"step {step}: load (all_layers={all_layers})", native, ref)
+            # the next load must land on poison again, not on what this one left
+            random_fill(native[0].all_buffers()[0], torch.Generator().manual_seed(step))
+            random_fill(ref[0].all_buffers()[0], torch.Generator().manual_seed(step))
+        for c, ack in zip((ctl, ref_ctl), acks, strict=True):
+            c.free_host(ack.host_indices)
+
+
+def test_the_staged_and_direct_variants_are_the_ones_exercised(on_gpu_path: Registry) -> None:
+    ran = set()
+    for case in CASES:
+        ctl = HiCacheController(*_pools(case, seed=1), registry=on_gpu_path)
+        for op in (Op.WRITE_BACK, Op.LOAD_ALL, Op.LOAD_LAYER):
+            ran.add((op, ctl.bound[(0, op)].support.variant))
+    assert {(Op.WRITE_BACK, "staged"), (Op.LOAD_ALL, "staged"), (Op.WRITE_BACK, "direct"),
+            (Op.LOAD_LAYER, "direct")} <= ran
+
+
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_per_layer_submits_of_one_cpu_tensor_rewritten_between_layers(
+        on_gpu_path: Registry, case: tuple[Any, ...]) -> None:
+    """An engine submitting each layer of a load with the same CPU tensor, which it rewrites
+    in between (through a NumPy view, which torch's version counter does not see): the ring
+    must not hand a layer the slot uploaded for the values of an earlier one."""
+    page = case[-1]
+    native = _pools(case, seed=3)
+    ref = _twin(*native)
+    bound = HiCacheController(*native, registry=on_gpu_path).bound[(0, Op.LOAD_LAYER)]
+    ref_bound = HiCacheController(*ref, registry=REFERENCE).bound[(0, Op.LOAD_LAYER)]
+    layers = native[1].geometry.num_layers
+    h = _pages([1, 4], page)
+    d = _pages([0, 9], page)
+    values = h.numpy()
+    for layer in range(layers):
+        if layer % 2:  # odd layers from other host pages, same tensor object
+            values[:] = _pages([7 - layer, 8], page).numpy()
+        else:
+            values[:] = _pages([1, 4], page).numpy()
+        bound.submit(h, d, layer=layer, chained=layer > 0).check()
+        ref_bound.submit(h.clone(), d, layer=layer).check()
+    _assert_same("per-layer submits, rewritten", native, ref)
+    assert bound.backend.uploads == 1 + layers  # d once, h at every layer (its values moved)
+
+    # unchanged between layers: each tensor is copied to the device once for the whole load
+    random_fill(native[0].all_buffers()[0], torch.Generator().manual_seed(5))
+    random_fill(ref[0].all_buffers()[0], torch.Generator().manual_seed(5))
+    h2, d2 = _pages([2, 6], page), _pages([3, 10], page)
+    before = bound.backend.uploads
+    for layer in range(layers):
+        bound.submit(h2, d2, layer=layer, chained=layer > 0).check()
+        ref_bound.submit(h2, d2, layer=layer).check()
+    _assert_same("per-layer submits, unchanged", native, ref)
+    assert bound.backend.uploads - before == 2
