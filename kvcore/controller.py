@@ -229,9 +229,12 @@ class HiCacheController:
         return len(self._writes)
 
     def free_host(self, host_indices: torch.Tensor) -> None:
-        """Release host pages (eviction from the host tier)."""
+        """Release host pages (eviction from the host tier). An ack's ``host_indices``, still
+        holding the values this controller's allocator gave them, are not value-checked again;
+        any other tensor is (whole pages, in range, each once), and a page that is not
+        allocated is refused with nothing freed."""
         with self._lock:
-            self.allocator.free(host_indices)
+            self.allocator.free(host_indices, checked=host_indices in self._issued)
 
     # -- load ------------------------------------------------------------------------------
 

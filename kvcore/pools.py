@@ -183,13 +183,18 @@ class SlotAllocator:
             tokens = self._tokens.take(pages, axis=0)
         return torch.from_numpy(tokens.reshape(-1))
 
-    def free(self, indices: torch.Tensor) -> None:
-        """Return whole pages; freeing a page that is not allocated raises and frees nothing."""
-        pages = self._pages_of("indices", indices)
+    def free(self, indices: torch.Tensor, *, checked: bool = False) -> None:
+        """Return whole pages; freeing a page that is not allocated raises and frees nothing.
+
+        ``checked``: the caller vouches that ``indices`` holds whole pages of this pool, each
+        once (tensors this allocator handed out, unchanged since; the controller knows which
+        through :class:`~kvcore.validate.CheckedTensors`): their values are then not checked
+        again, only that every page is still allocated."""
+        pages = self._pages_of("indices", indices, checked)
         n = pages.size
         if n == 0:
             return
-        if n > 1:
+        if n > 1 and not checked:
             ordered = np.sort(pages)
             if np.count_nonzero(ordered[1:] == ordered[:-1]):
                 raise AllocatorError("double free: the same page appears twice in one free() "
@@ -217,13 +222,14 @@ class SlotAllocator:
             return AllocatorState(tuple(self._free[:self._top].tolist()),
                                   tuple(np.flatnonzero(self._taken).tolist()))
 
-    def _pages_of(self, name: str, indices: torch.Tensor) -> np.ndarray:
+    def _pages_of(self, name: str, indices: torch.Tensor, checked: bool = False) -> np.ndarray:
         t = check_index_tensor(name, indices)
         if not t.is_cpu:
             t = t.cpu()
-        check_cpu_indices(name, t, self.size, page_size=self.page_size)  # InvalidIndices
+        if not checked:
+            check_cpu_indices(name, t, self.size, page_size=self.page_size)  # InvalidIndices
         a = t.numpy() if t.is_contiguous() else t.contiguous().numpy()
-        return a[::self.page_size].astype(np.int64) // self.page_size
+        return a[::self.page_size] // self.page_size
 
 
 class HostPool:

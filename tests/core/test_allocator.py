@@ -66,8 +66,11 @@ class AllocatorModel(RuleBasedStateMachine):
         a = self.alloc
         pages = data.draw(st.lists(st.sampled_from(sorted(self.taken)), min_size=1,
                                    unique=True), label="pages")
+        # checked: the caller vouches for the values (whole distinct pages), as the controller
+        # does for an ack's unchanged indices; only the allocated state is checked then
         a.free(page_tokens(pages, a.page_size, data.draw(st.sampled_from([torch.int32,
-                                                                          torch.int64]))))
+                                                                          torch.int64]))),
+               checked=data.draw(st.booleans(), label="checked"))
         self.taken -= set(pages)
 
     @precondition(lambda self: self.alloc is not None and self.free_count > 0)
@@ -81,7 +84,8 @@ class AllocatorModel(RuleBasedStateMachine):
         pages = data.draw(st.permutations([*good, bad]), label="order")
         before = a.state()
         with pytest.raises(AllocatorError, match=r"double free"):
-            a.free(page_tokens(pages, a.page_size))
+            a.free(page_tokens(pages, a.page_size),
+                   checked=data.draw(st.booleans(), label="checked"))
         assert a.state() == before
 
     @precondition(lambda self: self.alloc is not None and self.taken)

@@ -176,3 +176,29 @@ def test_an_acks_host_indices_are_checked_again_once_modified() -> None:
     ack.host_indices[0] = 10**6  # in place: the version moves on
     with pytest.raises(InvalidIndices, match="host_indices"):
         ctl.load(ack.host_indices, torch.arange(8, 16))
+
+
+@pytest.mark.parametrize("write", ["torch", "numpy"])
+def test_free_host_checks_an_acks_host_indices_again_once_modified(write: str) -> None:
+    """free_host() skips the value checks of its own acks' host indices only while they are
+    unmodified (through torch or a NumPy view); a bad value then frees nothing."""
+    from kvcore.errors import AllocatorError, InvalidIndices
+
+    dev, host = make_pools(Kind.MHA, Layout.PAGE_FIRST, num_layers=2, host_pages=4,
+                           device_size=32, head_num=2, head_dim=8, page_size=4,
+                           dtype=torch.bfloat16, registry=reference_only())
+    ctl = HiCacheController(dev, host, registry=reference_only())
+    first, second = ctl.write(torch.arange(8)), ctl.write(torch.arange(8, 16))
+    ctl.wait_acks()
+    before = ctl.allocator.state()
+    values = first.host_indices.numpy() if write == "numpy" else first.host_indices
+    values[5] = 10**6  # no longer whole pages, and out of range
+    with pytest.raises(InvalidIndices, match="indices"):
+        ctl.free_host(first.host_indices)
+    assert ctl.allocator.state() == before
+    values[:] = second.host_indices  # valid pages, but another ack's: freed once only
+    ctl.free_host(first.host_indices)
+    with pytest.raises(AllocatorError, match="double free"):
+        ctl.free_host(second.host_indices)
+    ctl.free_host(torch.arange(0, 8))  # the pages `first` was given are still allocated
+    assert ctl.allocator.available_size() == 16
