@@ -193,10 +193,16 @@ class IndexRing:
         n, first = indices.numel(), start // itemsize
         np.copyto(host[first:first + n], indices.numpy(), casting="unsafe")
         dst = device_mem.as_strided((n,), (1,), first)
-        if self.upload is not None:
-            self.upload(dst.data_ptr(), pinned.data_ptr() + start, n * itemsize, stream)
-        else:
-            dst.copy_(pinned.as_strided((n,), (1,), first), non_blocking=True)
+        try:
+            if self.upload is not None:
+                self.upload(dst.data_ptr(), pinned.data_ptr() + start, n * itemsize, stream)
+            else:
+                dst.copy_(pinned.as_strided((n,), (1,), first), non_blocking=True)
+        except BaseException:
+            # nothing was enqueued and no submit will seal this slot: the segment must not
+            # wait for it (its bytes stay used until the segment is reset)
+            seg.unsealed -= 1
+            raise
         return dst, self._current
 
     def _typed_views(self, dtype: torch.dtype) -> tuple[np.ndarray, torch.Tensor, torch.Tensor]:

@@ -182,3 +182,26 @@ def test_a_slot_of_a_segment_reset_since_is_never_handed_out_again() -> None:
     assert int(a[0]) == 2  # the old slot now holds other values
     b, _ = ring.stage(src, torch.int64, "s")  # type: ignore[misc]
     assert torch.equal(b, src) and len(copies) == 4
+
+
+def test_a_failed_upload_does_not_hold_its_segment() -> None:
+    """The upload raised: nothing was enqueued and no submit seals the slot, so the segment
+    it is in must still be reset once the transfers sealed into it completed."""
+    fail = [True]
+
+    def upload(dst: int, src: int, nbytes: int, stream: object) -> None:
+        if fail.pop() if fail else False:
+            raise RuntimeError("copy refused")
+        ctypes.memmove(dst, src, nbytes)
+
+    ring = _ring(segments=2, segment_bytes=2 * SLOT_ALIGN, upload=upload)
+    one_slot = torch.arange(SLOT_ALIGN // 8)
+    with pytest.raises(RuntimeError, match="copy refused"):
+        ring.stage(one_slot, torch.int64, "s")
+    done = Event()
+    done.done = True
+    for n in range(6):  # segment 0 (one slot left), 1, then 0 again, 1 again
+        staged = ring.stage(one_slot + n, torch.int64, "s")
+        assert staged is not None, f"stage {n}: the ring is stuck"
+        assert torch.equal(staged[0], one_slot + n)
+        ring.seal([staged[1]], done, "s")

@@ -13,6 +13,8 @@ direct native runners, the write queue, load handles and their waits.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import os
 import stat
 from collections.abc import Iterator
@@ -24,11 +26,13 @@ import torch
 from kvio_rocm import CAPABILITIES, build
 from kvio_rocm._native import NativeLibrary
 
+import kvcore.plan
 from kvcore import DevicePool, HiCacheController, HostPool
 from kvcore.capabilities import Available, BackendSpec, Capabilities, HostMemory
-from kvcore.errors import BuildError
+from kvcore.errors import BuildError, ControllerUnusable, DeviceFault, KernelError, TransferFailed
 from kvcore.layout import Geometry, Kind, Layout, Op, host_shape
 from kvcore.native import NativeBackend
+from kvcore.placement import SLOT_ALIGN, IndexRing
 from kvcore.registry import Registry
 from kvcore.testing.stand_in_streams import stand_in_streams
 from kvcore.verify import random_fill
@@ -207,3 +211,117 @@ def test_per_layer_submits_of_one_cpu_tensor_rewritten_between_layers(
         ref_bound.submit(h2, d2, layer=layer).check()
     _assert_same("per-layer submits, unchanged", native, ref)
     assert bound.backend.uploads - before == 2
+
+
+# -- failures along the GPU path -------------------------------------------------------------
+
+#: the index ring's size in the failure tests (4 segments)
+RING = 16 << 10
+
+#: the emulation's injectable failures (kvio_emul.h): the next kernel launch, the next
+#: async memcpy (the index ring's upload, a staged copy) or the next batched copy
+LAUNCH, MEMCPY, BATCH = 0, 1, 2
+
+
+@pytest.fixture
+def inject(emulated: Path) -> Iterator[Any]:
+    """``inject(which, code)``: fail the emulated runtime's next call of that kind."""
+    raw = ctypes.CDLL(str(emulated))  # the library the backend loaded (one copy per process)
+    raw.kvio_emul_fail_next.argtypes = [ctypes.c_int, ctypes.c_int]
+    raw.kvio_emul_reset()
+    yield raw.kvio_emul_fail_next
+    raw.kvio_emul_reset()
+
+
+def _controllers(registry: Registry, case: tuple[Any, ...],
+                 ) -> tuple[HiCacheController, HiCacheController, Any, Any]:
+    native = _pools(case, seed=21)
+    ref = _twin(*native)
+    return (HiCacheController(*native, registry=registry),
+            HiCacheController(*ref, registry=REFERENCE), native, ref)
+
+
+def _round_trip(ctl: HiCacheController, ref_ctl: HiCacheController, native: Any, ref: Any,
+                src: list[int], dst: list[int], page: int) -> None:
+    acks = [c.write(_pages(src, page)) for c in (ctl, ref_ctl)]
+    for c, ack in zip((ctl, ref_ctl), acks, strict=True):
+        c.wait_acks()
+        c.load(ack.host_indices, _pages(dst, page)).wait()
+    _assert_same("round trip after the failure", native, ref)
+
+
+@pytest.mark.parametrize("case", CASES[:2], ids=_case_id)  # a staged and a direct write-back
+def test_a_failed_write_back_releases_its_slots_is_never_acked_and_the_next_one_works(
+        on_gpu_path: Registry, inject: Any, case: tuple[Any, ...]) -> None:
+    ctl, ref_ctl, native, ref = _controllers(on_gpu_path, case)
+    before = ctl.allocator.state()
+    host_before = native[1].buffer.clone()
+    for which in (LAUNCH, MEMCPY, BATCH):  # whichever this variant makes first fails
+        inject(which, 2)  # out of memory: not sticky
+    with pytest.raises(TransferFailed) as err:
+        ctl.write(_pages([3, 5], case[-1]))
+    assert isinstance(err.value.cause, KernelError)
+    assert ctl.allocator.state() == before and ctl.pending_writes == 0
+    assert ctl.usable and ctl.wait_acks() == []
+    for which in (LAUNCH, MEMCPY, BATCH):
+        inject(which, 0)
+    # both variants fail at their first launch (the staged one's gather into its staging
+    # buffer), before a byte reaches the host pool
+    assert torch.equal(native[1].buffer.view(torch.int16), host_before.view(torch.int16))
+    ref[1].buffer.copy_(native[1].buffer)
+    _round_trip(ctl, ref_ctl, native, ref, [3, 5], [0, 8], case[-1])
+
+
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_a_failed_index_upload_fails_the_load_and_the_ring_goes_on(
+        on_gpu_path: Registry, inject: Any, case: tuple[Any, ...],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    page = case[-1]
+    # a ring of 4 segments of 4 KiB, so that a few dozen loads go round it
+    monkeypatch.setattr(kvcore.plan, "IndexRing", functools.partial(IndexRing, capacity=RING))
+    ctl, ref_ctl, native, ref = _controllers(on_gpu_path, case)
+    ack = ctl.write(_pages([1, 2], page))
+    ref_ack = ref_ctl.write(_pages([1, 2], page))
+    ctl.wait_acks()
+    ref_ctl.wait_acks()
+    _assert_same("write-back", native, ref)
+    inject(MEMCPY, 2)  # the host indices' copy into the ring's device memory
+    with pytest.raises(TransferFailed) as err:
+        ctl.load(ack.host_indices, _pages([6, 7], page))
+    assert "kvio_copy_to_device" in str(err.value)
+    _assert_same("a load whose indices never reached the device moved nothing", native, ref)
+    # each load's device indices take a new slot: three times round the ring, every load must
+    # still copy its indices through it (not fall back to torch's allocators), so the failed
+    # upload's slot must have come back
+    fallbacks: list[torch.Tensor] = []
+    place = kvcore.plan.place
+    monkeypatch.setattr(kvcore.plan, "place", lambda t, *a: fallbacks.append(t) or place(t, *a))
+    backend = ctl.bound[(0, Op.LOAD_LAYER)].backend
+    uploads = backend.uploads
+    slot = -(-2 * page * 8 // SLOT_ALIGN) * SLOT_ALIGN
+    loads = 3 * RING // slot
+    for n in range(loads):
+        dst = _pages([(6 + n) % DEVICE_PAGES, (9 + n) % DEVICE_PAGES], page)
+        for c, a in ((ctl, ack), (ref_ctl, ref_ack)):
+            c.load(a.host_indices, dst).wait()
+    assert fallbacks == []
+    assert backend.uploads - uploads > loads  # (the ack's indices again after each reset of
+    # the segment their slot is in)
+    _assert_same("loads after the failure", native, ref)
+
+
+def test_a_sticky_launch_failure_makes_the_controller_unusable_and_releases_its_writes(
+        on_gpu_path: Registry, inject: Any) -> None:
+    case = CASES[1]  # direct write-back and load: every transfer is a kernel launch
+    ctl, _, _, _ = _controllers(on_gpu_path, case)
+    ack = ctl.write(_pages([0, 1], case[-1]))
+    ctl.wait_acks()
+    inject(LAUNCH, 719)  # unspecified launch failure: sticky on HIP as on CUDA
+    with pytest.raises(TransferFailed) as err:
+        ctl.load(ack.host_indices, _pages([4, 5], case[-1]))
+    assert isinstance(err.value.cause, DeviceFault)
+    assert not ctl.usable
+    with pytest.raises(ControllerUnusable, match="device fault"):
+        ctl.write(_pages([2, 3], case[-1]))
+    with pytest.raises(ControllerUnusable):
+        ctl.load(ack.host_indices, _pages([4, 5], case[-1]))
