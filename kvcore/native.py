@@ -280,13 +280,24 @@ class NativeBackend:
             return run_direct
         by_layer = job_runner(self.run, job)
         signaled = self.optional_unchecked("kvio_load_layers_signaled")
+        # the whole load in one call, after the caller's stream, its completion a job
+        # (KVCORE_SIGNALED_LOAD_JOB=1, where the library offers it)
+        as_job = (unchecked("kvio_load_layers_signaled_job")
+                  if signaled is not None and signaled_load_mode() == "1"
+                  and self._offers("has_signaled_load_job") else None)
+        if as_job is not None:
+            flush_at_exit(self.lib)
+        fence = Fence(self.device)
         groups: dict[int, int] = {}  # tokens per load -> layers that land together
 
         def run_signaled(h: torch.Tensor, d: torch.Tensor, layer: int | None, stream: Any,
-                         chained: bool) -> BoundsCompletion | LayerSignals:
+                         chained: bool, after: Any = None) -> BoundsCompletion | LayerSignals:
+            signals = layer is None and signaled is not None and self._layer_signals()
+            if after is not None and not signals:  # what is not one job follows a fence
+                fence.order(stream, after)
             if layer is not None:
                 return run_direct(h, d, layer, stream, chained)
-            if signaled is None or not self._layer_signals():
+            if not signals:
                 return by_layer(h, d, layer, stream, chained)  # one launch per layer
             s = raw(stream)
             done = issue(host_tokens, device_tokens, op)
@@ -295,15 +306,27 @@ class NativeBackend:
             if group is None:  # this runner's front of layer_group's cache (no key tuple)
                 group = groups[n] = self.layer_group(k_ptrs, v_ptrs, num_layers, host_base,
                                                      layout, n)
+            args = (k_ptrs, v_ptrs, num_layers, host_base, layout, h.data_ptr() or None,
+                    1 if h.dtype is int64 else 0, d.data_ptr() or None,
+                    1 if d.dtype is int64 else 0, n)
+            completion = None
             with self._signal_lock:  # epochs reach the stream in the order they are handed out
                 buf = self._signal_buffer(s, num_layers, stream)
                 epoch = buf.next_epoch()
-                signaled(k_ptrs, v_ptrs, num_layers, host_base, layout, h.data_ptr() or None,
-                         1 if h.dtype is int64 else 0, d.data_ptr() or None,
-                         1 if d.dtype is int64 else 0, n, buf.counters or None,
-                         buf.flags or None, epoch, s or None, done.bounds)
-            return NativeLayerSignals(self, buf, epoch, done, group, num_layers)
+                if after is None:
+                    signaled(*args, buf.counters or None, buf.flags or None, epoch, s or None,
+                             done.bounds)
+                else:
+                    out = ctypes.c_void_p()
+                    as_job(*args, buf.counters or None, buf.flags or None, epoch, s or None,
+                           raw(after) or None, done.bounds, ctypes.byref(out))
+                    completion = NativeJob(self.lib, out.value or 0, done, (h, d),
+                                           "kvio_load_layers_signaled_job")
+            return NativeLayerSignals(self, buf, epoch, done, group, num_layers, completion)
 
+        # a bound plan passes its caller's stream (`after`) instead of fencing, where the whole
+        # load can be one job
+        run_signaled.follows = as_job is not None  # type: ignore[attr-defined]
         return run_signaled
 
     def _dma_runner(self, job: TransferJob, host_base: int | None,
@@ -526,7 +549,7 @@ class NativeLayerSignals:
 
     def __init__(self, backend: NativeBackend, buffer: SignalBuffer, epoch: int,
                  done: BoundsCompletion, group: int = 1, num_layers: int | None = None,
-                 ) -> None:
+                 completion: NativeJob | None = None) -> None:
         self._wait: Callable[[int, int, int], None] = backend.wait_signal
         self._raw_stream = backend.raw_stream
         self._current_raw = backend.current_raw_stream
@@ -534,6 +557,9 @@ class NativeLayerSignals:
         self._landed = buffer.landed
         self._flags = buffer.flags
         self._done = done
+        #: the load's completion where the library made it a job (query/synchronize/check:
+        #: the submission's event); None where the caller records an event after the launch
+        self.completion = completion
         self.epoch = epoch
         self.group = max(1, group)
         self._last = (num_layers if num_layers is not None else buffer.capacity) - 1
@@ -558,7 +584,7 @@ class NativeLayerSignals:
         self._covered[raw] = target
 
     def check(self) -> None:
-        self._done.check()
+        (self.completion or self._done).check()  # (a job's check also reads the report)
 
 
 class ReportRing:
@@ -622,13 +648,32 @@ WRITE_BACK_MODES = {
 }
 
 
+#: ``KVCORE_SIGNALED_LOAD_JOB``: how a signaled per-layer load through the controller is issued
+SIGNALED_LOAD_MODES = {
+    "0": "the order point and the completion through torch events, the launch by the library "
+         "(kvio_load_layers_signaled; the default)",
+    "1": "all three in one library call, the completion a job "
+         "(kvio_load_layers_signaled_job)",
+}
+
+
 def write_back_mode() -> str:
     """The ``KVCORE_ASYNC_WRITE_BACK`` mode (:data:`WRITE_BACK_MODES`; unset or empty: ``1``);
     another value is refused with InvalidArgument naming the variable."""
-    mode = os.environ.get("KVCORE_ASYNC_WRITE_BACK", "").strip() or "1"
-    if mode not in WRITE_BACK_MODES:
-        raise InvalidArgument("KVCORE_ASYNC_WRITE_BACK", "one of " + ", ".join(
-            f"{k} ({v})" for k, v in WRITE_BACK_MODES.items()), repr(mode))
+    return _mode("KVCORE_ASYNC_WRITE_BACK", WRITE_BACK_MODES, "1")
+
+
+def signaled_load_mode() -> str:
+    """The ``KVCORE_SIGNALED_LOAD_JOB`` mode (:data:`SIGNALED_LOAD_MODES`; unset or empty:
+    ``0``); another value is refused with InvalidArgument naming the variable."""
+    return _mode("KVCORE_SIGNALED_LOAD_JOB", SIGNALED_LOAD_MODES, "0")
+
+
+def _mode(variable: str, modes: dict[str, str], default: str) -> str:
+    mode = os.environ.get(variable, "").strip() or default
+    if mode not in modes:
+        raise InvalidArgument(variable, "one of " + ", ".join(
+            f"{k} ({v})" for k, v in modes.items()), repr(mode))
     return mode
 
 

@@ -420,7 +420,10 @@ class BoundPlan:
     def _enqueue(self, support: OpSupport, hp: torch.Tensor, dp: torch.Tensor,
                  layer: int | None, s: Any, chained: bool, after: Any = None) -> Submission:
         run = self._runners[id(support)]
-        if after is not None and (self.op is Op.LOAD_LAYER or not getattr(run, "follows", False)):
+        # a runner that `follows` orders its transfer after `after` itself (write-back and
+        # all-layer jobs, and a per-layer load of every layer where its layers signal)
+        if after is not None and not (getattr(run, "follows", False) and (
+                self.op is not Op.LOAD_LAYER or (layer is None and support.layer_signals))):
             self._fence.order(s, after)
             after = None
         if self.op is not Op.LOAD_LAYER:
@@ -438,13 +441,17 @@ class BoundPlan:
             return Submission({layer: event}, event,
                               [] if done is None else [(layer, done)])
         if support.layer_signals:
-            signals = run(hp, dp, None, s, False)
+            signals = (run(hp, dp, None, s, False) if after is None
+                       else run(hp, dp, None, s, False, after))
             if not (hasattr(signals, "wait_layer") and hasattr(signals, "check")):
                 raise ContractViolation(
                     f"{self.context}: variant {support.variant!r} declares layer_signals, "
                     "so a job for every layer must return LayerSignals (wait_layer, "
                     f"check); it returned {type(signals).__name__}")
-            event = recorded_event(self.device, s)
+            # signals whose completion the library made (a job) are their own event
+            completion = getattr(signals, "completion", None)
+            event = (completion if _issued_later(completion)
+                     else recorded_event(self.device, s))
             return Submission({}, event, [(None, signals)], one=signals,
                               layers=self.num_layers)
         waits: dict[int, Any] = {}
@@ -471,9 +478,10 @@ CHECKED_TENSORS = 16
 
 
 def _issued_later(done: Any) -> bool:
-    """Whether a runner's completion is a transfer issued by another thread (a
-    :class:`~kvcore.native_job.NativeJob`): it then tells completion itself, since an event
-    recorded on the stream now would come before the transfer's work."""
+    """Whether a runner's completion tells completion itself (a
+    :class:`~kvcore.native_job.NativeJob`: a transfer another thread issues, where an event
+    recorded on the stream now would come before its work, or one whose completion event the
+    library recorded in the same call)."""
     return hasattr(done, "query") and hasattr(done, "synchronize")
 
 

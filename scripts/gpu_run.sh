@@ -14,6 +14,8 @@
 # pure-torch reference is slow: SEED_REFERENCE_REPEAT=1 times its rows by their oracle call
 # alone (then the whole table with the reference took 457 s on an H200).
 # write_modes: the controller rows once per KVCORE_ASYNC_WRITE_BACK mode in WRITE_MODES.
+# job_modes: the controller rows with the caller-issued job forms off (KVCORE_ASYNC_WRITE_BACK=1,
+# KVCORE_SIGNALED_LOAD_JOB=0) and on (inline, 1), alternating, JOB_ROUNDS times.
 # profile: py-spy samples of write()/load() loops (PROFILE_CASES op:pages; .whl/ must carry
 # the py-spy wheel).
 # probe_tma: the standalone TMA-against-loads probe (scripts/probe_tma_h2d.cu).
@@ -99,6 +101,14 @@ probe_h2d)
 write_modes)  # the controller's rows once per write-back issue mode (KVCORE_ASYNC_WRITE_BACK)
     for mode in ${WRITE_MODES:-0 1 inline}; do
         KVCORE_ASYNC_WRITE_BACK=$mode step "bench_controller_mode_$mode" ${CONTROLLER_S:-400} "${KVIO[@]}" bench --through controller --backend cuda --layout ${CONTROLLER_LAYOUTS:-page_first} --markdown "$R/bench_controller_mode_$mode.md" --json "$R/bench_controller_mode_$mode.json"
+    done
+    ;;
+job_modes)  # the controller's rows with every caller-issued job form off, then on (A/B, alternating)
+    for round in ${JOB_ROUNDS:-1 2}; do
+        for mode in off on; do
+            if [ $mode = on ]; then w=inline; l=1; else w=1; l=0; fi
+            KVCORE_ASYNC_WRITE_BACK=$w KVCORE_SIGNALED_LOAD_JOB=$l step "bench_controller_jobs_${mode}_$round" ${CONTROLLER_S:-400} "${KVIO[@]}" bench --through controller --backend cuda --layout ${CONTROLLER_LAYOUTS:-page_first} --markdown "$R/bench_controller_jobs_${mode}_$round.md" --json "$R/bench_controller_jobs_${mode}_$round.json"
+        done
     done
     ;;
 profile)  # py-spy over loops of controller calls (needs the py-spy wheel carried in .whl/)

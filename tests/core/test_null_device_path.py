@@ -1,6 +1,7 @@
 """The GPU-shaped submit path (index ring, fences, layer signals, the write-back routes) runs
 end to end on the CPU against the null kvio library (scripts/probe_null_device.py), in every
-write-back mode. A change that breaks a path only a GPU would take fails here first."""
+write-back mode and signaled-load mode. A change that breaks a path only a GPU would take
+fails here first."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from kvcore.native import WRITE_BACK_MODES
+from kvcore.native import SIGNALED_LOAD_MODES, WRITE_BACK_MODES
 
 PROBE = Path(__file__).resolve().parents[2] / "scripts" / "probe_null_device.py"
 
@@ -20,9 +21,12 @@ pytestmark = pytest.mark.skipif(
     not any(shutil.which(c) for c in ("cc", "gcc", "clang")), reason="needs a C compiler")
 
 
-@pytest.mark.parametrize("mode", sorted(WRITE_BACK_MODES))
-def test_every_row_of_the_null_device_probe_runs(mode: str) -> None:
-    env = dict(os.environ, KVCORE_ASYNC_WRITE_BACK=mode)
+@pytest.mark.parametrize("mode", [*(("write", m) for m in sorted(WRITE_BACK_MODES)),
+                                  *(("load", m) for m in sorted(SIGNALED_LOAD_MODES))],
+                         ids=lambda m: f"{m[0]}-{m[1]}")
+def test_every_row_of_the_null_device_probe_runs(mode: tuple[str, str]) -> None:
+    variable = "KVCORE_ASYNC_WRITE_BACK" if mode[0] == "write" else "KVCORE_SIGNALED_LOAD_JOB"
+    env = dict(os.environ, **{variable: mode[1]})
     # 1 page stays on the caller, 16 MHA pages (128 MiB) reach the library thread's route
     out = subprocess.run([sys.executable, str(PROBE), "--calls", "20", "--pages", "1", "16"],
                          env=env, capture_output=True, text=True, timeout=300)

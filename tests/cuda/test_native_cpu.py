@@ -853,6 +853,69 @@ def test_real_library_signaled_load_refuses_bad_arguments_before_any_cuda_call(
     assert raw.kvio_wait_layer_signal(None, 1, None) == 1
 
 
+def test_real_library_signaled_load_job_refuses_what_the_signaled_load_refuses_and_issues_nothing(
+        real_library: _native.NativeLibrary) -> None:
+    """kvio_load_layers_signaled_job checks as kvio_load_layers_signaled does: an error hands
+    out no job and records nothing (the order point's event is taken only after the checks)."""
+    assert real_library.has_signaled_load_job() == real_library.has_layer_signals()
+    raw = real_library._lib
+    layout = _native.KvioLayout.from_fields(LAYOUT)
+    bad = _native.KvioLayout.from_fields(LAYOUT, page_size=0)
+    job = ctypes.c_void_p(0xDEAD)
+
+    def as_job(*args: Any) -> int:
+        job.value = 0xDEAD
+        return raw.kvio_load_layers_signaled_job(  # type: ignore[no-any-return]
+            *args[:-1], None, args[-1], ctypes.byref(job))
+
+    for args in ((None, 0, 4, 1, layout, 1, 0, 1, 0, 64, 1, 1, 1, None, BOUNDS),
+                 (1, 0, 0, 1, layout, 1, 0, 1, 0, 64, 1, 1, 1, None, BOUNDS),
+                 (1, 0, 4, 1, layout, 1, 0, 1, 0, -1, 1, 1, 1, None, BOUNDS),
+                 (1, 0, 4, 1, layout, 1, 0, 1, 0, 64, None, 1, 1, None, BOUNDS),
+                 (1, 0, 4, 1, layout, 1, 0, 1, 0, 64, 1, None, 1, None, BOUNDS),
+                 (1, 0, 4, 1, layout, None, 0, 1, 0, 64, 1, 1, 1, None, BOUNDS),
+                 (1, 0, 4, 1, bad, 1, 0, 1, 0, 64, 1, 1, 1, None, BOUNDS),
+                 (1, 0, 4, 1, layout, 1, 0, 1, 0, 64, 1, 1, 1, None, None)):
+        assert as_job(*args) == 1, args
+        assert job.value is None, args
+    assert raw.kvio_load_layers_signaled_job(1, 0, 4, 1, layout, 1, 0, 1, 0, 64, 1, 1, 1,
+                                             None, None, BOUNDS, None) == 1  # no job slot
+    with pytest.raises(KernelError, match=r"kvio_load_layers_signaled_job: invalid argument"):
+        real_library.load_layers_signaled_job(0, 0, 4, 1, LAYOUT, 1, 0, 1, 0, 64, 1, 1, 1,
+                                              None, None)
+
+
+def test_signaled_load_job_marshalling_and_refusal_without_it() -> None:
+    class WithJob(FakeDmaLib):
+        kvio_job_status = _recording("kvio_job_status")
+        kvio_job_wait = _recording("kvio_job_wait")
+        kvio_job_release = _recording("kvio_job_release")
+
+        def kvio_load_layers_signaled_job(self, *args: Any) -> int:
+            self.calls.append(("kvio_load_layers_signaled_job", args))
+            args[-1]._obj.value = 0x9000  # the job handle (ctypes.byref's target)
+            return 0
+
+    fake = WithJob()
+    lib = _native.NativeLibrary("fake.so", lib=fake)
+    assert lib.has_signaled_load_job()
+    handle = lib.load_layers_signaled_job(0x1000, None, 61, 0x3000, LAYOUT, 0x4000, True,
+                                          0x5000, 0, 4096, 0x6000, 0x6100, 7, 0x7000, 0x7100,
+                                          bounds=BOUNDS)
+    assert handle == 0x9000
+    ((_, args),) = fake.calls
+    values = _values(args[:-1])
+    assert values[:4] == [0x1000, None, 61, 0x3000] and values[4].as_dict() == LAYOUT
+    assert values[5:] == [0x4000, 1, 0x5000, 0, 4096, 0x6000, 0x6100, 7, 0x7000, 0x7100, BOUNDS]
+    with pytest.raises(InvalidArgument, match="after_stream"):
+        lib.load_layers_signaled_job(1, None, 61, 1, LAYOUT, 1, 1, 1, 0, 64, 1, 1, 7, 1, -5)
+    assert len(fake.calls) == 1
+    without = _native.NativeLibrary("fake.so", lib=FakeDmaLib())
+    assert not without.has_signaled_load_job()
+    with pytest.raises(BuildError, match="does not export kvio_load_layers_signaled_job"):
+        without.load_layers_signaled_job(1, None, 61, 1, LAYOUT, 1, 1, 1, 0, 64, 1, 1, 7, 1, 1)
+
+
 # ------------------------------------------------ ABI v2 bounds, the real library on a CPU
 
 

@@ -67,11 +67,14 @@ def gen() -> torch.Generator:
 @pytest.fixture(params=["caller", "thread", "inline"])
 def handover(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Staged write-backs issued on the caller's thread, all handed to the library's, or all
-    issued by the caller as inline jobs (KVCORE_ASYNC_WRITE_BACK=inline)."""
+    issued by the caller as inline jobs (KVCORE_ASYNC_WRITE_BACK=inline), signaled loads then
+    also one library call each with a job for their completion
+    (KVCORE_SIGNALED_LOAD_JOB=1)."""
     monkeypatch.setattr("kvcore.native.ASYNC_WRITE_BACK_MIN_BYTES",
                         1 if request.param == "thread" else 1 << 62)
     if request.param == "inline":
         monkeypatch.setenv("KVCORE_ASYNC_WRITE_BACK", "inline")
+        monkeypatch.setenv("KVCORE_SIGNALED_LOAD_JOB", "1")
     return str(request.param)
 
 

@@ -16,7 +16,9 @@
 //   kvio_load_layers_signaled  (optional) a per-layer load of every layer in one grid, layer
 //                           after layer, each layer publishing a ready flag;
 //                           kvio_wait_layer_signal makes a stream wait for one flag;
-//                           kvio_signaled_layer_group says how many layers land together.
+//                           kvio_signaled_layer_group says how many layers land together;
+//                           kvio_load_layers_signaled_job issues it after another stream's
+//                           work with its completion as a job, all in one call.
 //   kvio_copy_to_device     (optional) one asynchronous copy of pinned host bytes to the
 //                           device (the index ring's upload, without torch's dispatch).
 //
@@ -1380,12 +1382,12 @@ cudaError_t signaled_geometry(CopyParams& p, int num_kv, int64_t n_tokens, int32
 // `stream`. counters (device, num_layers + 1: the tile counters, then the cursor) are zeroed
 // by a memset on the stream before the launch; flags[l] (num_layers) becomes `epoch` once
 // layers 0..l have landed.
-cudaError_t load_layers_signaled(const uint64_t* k_ptrs, const uint64_t* v_ptrs,
-                                 int32_t num_layers, void* host_base,
-                                 const kvio_layout& layout, const void* host_idx,
-                                 int host_idx_64, const void* dev_idx, int dev_idx_64,
-                                 int64_t n_tokens, uint32_t* counters, uint32_t* flags,
-                                 uint32_t epoch, void* stream, const kvio_bounds* bounds) {
+// The arguments of a signaled load, checked before anything is enqueued
+// (cudaErrorInvalidValue for any it cannot carry out).
+cudaError_t check_signaled(const uint64_t* k_ptrs, int32_t num_layers, void* host_base,
+                           const kvio_layout& layout, const void* host_idx,
+                           const void* dev_idx, int64_t n_tokens, uint32_t* counters,
+                           uint32_t* flags, const kvio_bounds* bounds) {
     if (k_ptrs == nullptr || host_base == nullptr || num_layers <= 0 || n_tokens < 0 ||
         counters == nullptr || flags == nullptr || !layout_ok(layout) || !bounds_ok(bounds)) {
         return cudaErrorInvalidValue;
@@ -1393,6 +1395,17 @@ cudaError_t load_layers_signaled(const uint64_t* k_ptrs, const uint64_t* v_ptrs,
     if (n_tokens > 0 && (host_idx == nullptr || dev_idx == nullptr)) {
         return cudaErrorInvalidValue;
     }
+    return cudaSuccess;
+}
+
+cudaError_t load_layers_signaled(const uint64_t* k_ptrs, const uint64_t* v_ptrs,
+                                 int32_t num_layers, void* host_base,
+                                 const kvio_layout& layout, const void* host_idx,
+                                 int host_idx_64, const void* dev_idx, int dev_idx_64,
+                                 int64_t n_tokens, uint32_t* counters, uint32_t* flags,
+                                 uint32_t epoch, void* stream, const kvio_bounds* bounds) {
+    KVIO_CHECK(check_signaled(k_ptrs, num_layers, host_base, layout, host_idx, dev_idx,
+                              n_tokens, counters, flags, bounds));
     cudaStream_t s = static_cast<cudaStream_t>(stream);
     DeviceGuard guard;
     KVIO_CHECK(guard.enter(s));
@@ -2058,6 +2071,53 @@ int job_status(StagedJob* job, bool wait) {
     return static_cast<int>(err);
 }
 
+// A signaled load issued by the caller after `after_stream`'s work so far, with a job for its
+// completion (kvio_load_layers_signaled_job): the order point, the launch and the completion
+// event in one call, events from the job pool. Nothing is handed to the thread.
+cudaError_t load_layers_signaled_job(const uint64_t* k_ptrs, const uint64_t* v_ptrs,
+                                     int32_t num_layers, void* host_base,
+                                     const kvio_layout& layout, const void* host_idx,
+                                     int host_idx_64, const void* dev_idx, int dev_idx_64,
+                                     int64_t n_tokens, uint32_t* counters, uint32_t* flags,
+                                     uint32_t epoch, void* stream, void* after_stream,
+                                     const kvio_bounds* bounds, void** job_out) {
+    if (job_out == nullptr) {
+        return cudaErrorInvalidValue;
+    }
+    *job_out = nullptr;
+    KVIO_CHECK(check_signaled(k_ptrs, num_layers, host_base, layout, host_idx, dev_idx,
+                              n_tokens, counters, flags, bounds));
+    cudaStream_t s = static_cast<cudaStream_t>(stream);
+    cudaStream_t after = static_cast<cudaStream_t>(after_stream);
+    DeviceGuard guard;
+    KVIO_CHECK(guard.enter(s));
+    auto job = std::make_unique<StagedJob>();
+    job->device = guard.device();
+    job->stream = s;
+    auto issue = [&]() -> cudaError_t {
+        KVIO_CHECK(take_job_event(job->device, &job->done));
+        if (after != s) {
+            KVIO_CHECK(take_job_event(job->device, &job->after));
+            KVIO_CHECK(cudaEventRecord(job->after, after));
+            KVIO_CHECK(cudaStreamWaitEvent(s, job->after, 0));
+        }
+        KVIO_CHECK(load_layers_signaled(k_ptrs, v_ptrs, num_layers, host_base, layout,
+                                        host_idx, host_idx_64, dev_idx, dev_idx_64, n_tokens,
+                                        counters, flags, epoch, stream, bounds));
+        return cudaEventRecord(job->done, s);
+    };
+    const cudaError_t err = issue();
+    if (err != cudaSuccess) {
+        // a wait already enqueued keeps the record it was made against, so the events can
+        // go back to the pool
+        give_job_events(job.get());
+        return err;
+    }
+    job->issued = true;  // never shared with the thread
+    *job_out = job.release();
+    return cudaSuccess;
+}
+
 // A failed runtime call also leaves its (non-sticky) code in the runtime's last-error slot,
 // which the process may share with torch; the code is returned to the caller instead, so
 // the slot is cleared rather than blamed later on an unrelated launch.
@@ -2178,6 +2238,20 @@ KVIO_API int kvio_load_layers_signaled(const uint64_t* k_ptrs, const uint64_t* v
     return finish(load_layers_signaled(k_ptrs, v_ptrs, num_layers, host_base, layout,
                                        host_idx, host_idx_64, dev_idx, dev_idx_64, n_tokens,
                                        counters, flags, epoch, stream, bounds));
+}
+
+KVIO_API int kvio_load_layers_signaled_job(const uint64_t* k_ptrs, const uint64_t* v_ptrs,
+                                           int32_t num_layers, void* host_base,
+                                           kvio_layout layout, const void* host_idx,
+                                           int host_idx_64, const void* dev_idx,
+                                           int dev_idx_64, int64_t n_tokens,
+                                           uint32_t* counters, uint32_t* flags, uint32_t epoch,
+                                           void* stream, void* after_stream,
+                                           const kvio_bounds* bounds, void** job) {
+    return finish(load_layers_signaled_job(k_ptrs, v_ptrs, num_layers, host_base, layout,
+                                           host_idx, host_idx_64, dev_idx, dev_idx_64, n_tokens,
+                                           counters, flags, epoch, stream, after_stream, bounds,
+                                           job));
 }
 
 KVIO_API int kvio_wait_layer_signal(const uint32_t* flag, uint32_t epoch, void* stream) {
