@@ -321,7 +321,7 @@ class NativeBackend:
                     as_job(*args, buf.counters or None, buf.flags or None, epoch, s or None,
                            raw(after) or None, done.bounds, ctypes.byref(out))
                     completion = NativeJob(self.lib, out.value or 0, done, (h, d),
-                                           "kvio_load_layers_signaled_job")
+                                           "kvio_load_layers_signaled_job", wait_on_drop=False)
             return NativeLayerSignals(self, buf, epoch, done, group, num_layers, completion)
 
         # a bound plan passes its caller's stream (`after`) instead of fencing, where the whole

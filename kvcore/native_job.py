@@ -37,18 +37,26 @@ class NativeJob:
     error (KernelError), or the kernels' report of an out-of-range device index
     (InvalidIndices, from ``done``). ``keep`` holds what the transfer reads (indices,
     staging buffer) until it finished.
+
+    Dropped unfinished, a job is waited for (a write-back's: its memory must outlive it), or
+    with ``wait_on_drop`` False given back at once (a load's, whose consumer drops its handle
+    once every layer's wait is enqueued, long before the load has finished: its pools
+    belong to the controller and its device index tensors were recorded on the load's
+    stream, so nothing it touches is freed under it, and waiting would stall the caller).
     """
 
-    __slots__ = ("_done", "_function", "_handle", "_keep", "_lib", "_status")
+    __slots__ = ("_done", "_function", "_handle", "_keep", "_lib", "_status", "_wait_on_drop")
 
     def __init__(self, lib: Any, handle: int, done: Any, keep: tuple[Any, ...],
-                 function: str = "kvio_write_back_staged_async") -> None:
+                 function: str = "kvio_write_back_staged_async",
+                 wait_on_drop: bool = True) -> None:
         self._lib = lib
         self._function = function
         self._handle: int | None = handle
         self._done = done
         self._keep: tuple[Any, ...] | None = keep
         self._status: int | None = None
+        self._wait_on_drop = wait_on_drop
 
     def _settle(self, status: int) -> None:
         if status == JOB_PENDING:
@@ -74,10 +82,16 @@ class NativeJob:
         self._done.check()
 
     def __del__(self) -> None:
-        # dropped unfinished (its controller was): wait, so the transfer never outlives the
-        # memory it reads and writes
-        if self._handle is not None:
-            try:
+        handle = self._handle
+        if handle is None:
+            return
+        try:
+            if self._wait_on_drop:
+                # dropped unfinished (its controller was): wait, so the transfer never
+                # outlives the memory it reads and writes
                 self.synchronize()
-            except Exception:  # noqa: BLE001 - nothing to report to at collection
-                pass
+            else:
+                self._handle = None
+                self._lib.job_release(handle)
+        except Exception:  # noqa: BLE001 - nothing to report to at collection
+            pass

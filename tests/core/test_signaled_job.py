@@ -199,3 +199,19 @@ def test_a_plan_hands_its_callers_stream_over_and_the_job_is_the_submissions_eve
     assert [f for f, _ in launches] == ["kvio_load_layers_signaled_job",
                                         "kvio_load_layers_signaled"]
     assert launches[0][1][13:15] == (current.native_handle, caller.native_handle)
+
+
+def test_a_load_dropped_before_it_finished_is_given_back_without_waiting(job_mode: None,
+                                                                         ) -> None:
+    """A consumer drops its load handle once every layer's wait is enqueued, while the load
+    still runs: waiting for the job then would stall the caller (a write-back's job does wait:
+    its memory must outlive it)."""
+    import gc
+
+    lib = SignalingLibrary()
+    signals = _runner(lib)(torch.arange(16), torch.arange(16), None, None, False, "caller")
+    assert lib.status[0x100] == JOB_PENDING
+    del signals
+    gc.collect()
+    assert lib.calls[-1] == ("release", (0x100,))
+    assert lib.status[0x100] == JOB_PENDING  # never waited for (job_wait would finish it)
