@@ -15,21 +15,19 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
-import stat
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from kvio_rocm import CAPABILITIES, build
+from kvio_rocm import CAPABILITIES
 from kvio_rocm._native import NativeLibrary
 
 import kvcore.plan
 from kvcore import DevicePool, HiCacheController, HostPool
 from kvcore.capabilities import Available, BackendSpec, Capabilities, HostMemory
-from kvcore.errors import BuildError, ControllerUnusable, DeviceFault, KernelError, TransferFailed
+from kvcore.errors import ControllerUnusable, DeviceFault, KernelError, TransferFailed
 from kvcore.layout import Geometry, Kind, Layout, Op, host_shape
 from kvcore.native import NativeBackend
 from kvcore.placement import SLOT_ALIGN, IndexRing
@@ -55,27 +53,14 @@ def _case_id(case: tuple[Any, ...]) -> str:
     return f"{kind.value}-{layout.value}-{layers}x{heads}x{dim}-p{page}"
 
 
-@pytest.fixture(scope="module")
-def emulated(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    try:
-        cxx = build.find_emulation_compiler()
-    except BuildError as exc:
-        if os.environ.get("KVIO_REQUIRE_CODEGEN"):
-            pytest.fail(str(exc))
-        pytest.skip(str(exc))
-    cache = tmp_path_factory.mktemp("kvio_rocm_emul_cache")
-    cache.chmod(stat.S_IRWXU)
-    return build.build_emulated(cache_dir=Path(cache), cxx=cxx)
-
-
 @pytest.fixture
-def on_gpu_path(emulated: Path) -> Iterator[Registry]:
+def on_gpu_path(emulated_library: Path) -> Iterator[Registry]:
     """A registry whose only backend is kvio_rocm's emulated library, claiming the CPU, with
     the CPU treated as a device with streams for the test's duration."""
 
     class Emulated(NativeBackend):
         def __init__(self, device: torch.device) -> None:
-            super().__init__(device, NativeLibrary(emulated))
+            super().__init__(device, NativeLibrary(emulated_library))
             upload = self.upload_indices
             self.uploads = 0  # index copies to the "device" through the library
 
@@ -224,9 +209,9 @@ LAUNCH, MEMCPY, BATCH = 0, 1, 2
 
 
 @pytest.fixture
-def inject(emulated: Path) -> Iterator[Any]:
+def inject(emulated_library: Path) -> Iterator[Any]:
     """``inject(which, code)``: fail the emulated runtime's next call of that kind."""
-    raw = ctypes.CDLL(str(emulated))  # the library the backend loaded (one copy per process)
+    raw = ctypes.CDLL(str(emulated_library))  # the backend's library (one copy per process)
     raw.kvio_emul_fail_next.argtypes = [ctypes.c_int, ctypes.c_int]
     raw.kvio_emul_reset()
     yield raw.kvio_emul_fail_next

@@ -12,17 +12,14 @@ from __future__ import annotations
 
 import ctypes
 import itertools
-import os
-import stat
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
-from kvio_rocm import build
 from kvio_rocm._native import NativeLibrary, make_layout
 
-from kvcore.errors import BuildError, DeviceFault, InvalidArgument, KernelError
+from kvcore.errors import DeviceFault, InvalidArgument, KernelError
 from kvcore.layout import (
     Geometry,
     Kind,
@@ -47,16 +44,8 @@ def layout_of(g: Geometry, itemsize: int) -> dict[str, int]:
 
 
 @pytest.fixture(scope="module")
-def emul(tmp_path_factory: pytest.TempPathFactory) -> tuple[NativeLibrary, ctypes.CDLL]:
-    try:
-        cxx = build.find_emulation_compiler()
-    except BuildError as exc:
-        if os.environ.get("KVIO_REQUIRE_CODEGEN"):
-            pytest.fail(str(exc))
-        pytest.skip(str(exc))
-    cache = tmp_path_factory.mktemp("kvio_rocm_emul_cache")
-    cache.chmod(stat.S_IRWXU)
-    path = build.build_emulated(cache_dir=Path(cache), cxx=cxx)
+def emul(emulated_library: Path) -> tuple[NativeLibrary, ctypes.CDLL]:
+    path = emulated_library
     raw = ctypes.CDLL(str(path))
     raw.kvio_emul_counters.argtypes = [ctypes.POINTER(ctypes.c_int64)]
     raw.kvio_emul_fail_next.argtypes = [ctypes.c_int, ctypes.c_int]
