@@ -310,3 +310,103 @@ def test_a_sticky_launch_failure_makes_the_controller_unusable_and_releases_its_
         ctl.write(_pages([2, 3], case[-1]))
     with pytest.raises(ControllerUnusable):
         ctl.load(ack.host_indices, _pages([4, 5], case[-1]))
+
+
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_random_sequences_with_failures_match_the_reference(
+        on_gpu_path: Registry, inject: Any, case: tuple[Any, ...],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Writes, acknowledgements, per-layer and all-layer loads and frees in random order,
+    each maybe with the emulated runtime's next launch, copy or batched copy failing: after
+    every step both pools and the allocator equal the reference's (which runs exactly the
+    steps that succeeded), and the index ring (4 KiB segments, so it goes round often) never
+    falls back to torch's allocators."""
+    from hypothesis import HealthCheck, settings
+    from hypothesis import strategies as st
+    from hypothesis.stateful import (
+        RuleBasedStateMachine,
+        invariant,
+        precondition,
+        rule,
+        run_state_machine_as_test,
+    )
+
+    page = case[-1]
+    monkeypatch.setattr(kvcore.plan, "IndexRing", functools.partial(IndexRing, capacity=RING))
+    fallbacks: list[torch.Tensor] = []
+    place = kvcore.plan.place
+    monkeypatch.setattr(kvcore.plan, "place", lambda t, *a: fallbacks.append(t) or place(t, *a))
+    failures = st.sampled_from([None, None, LAUNCH, MEMCPY, BATCH])
+    page_sets = st.lists(st.integers(0, DEVICE_PAGES - 1), min_size=1, max_size=3, unique=True)
+
+    class Steps(RuleBasedStateMachine):
+        def __init__(self) -> None:
+            super().__init__()
+            self.native = _pools(case, seed=31)
+            self.ref = _twin(*self.native)
+            self.ctl = HiCacheController(*self.native, registry=on_gpu_path)
+            self.ref_ctl = HiCacheController(*self.ref, registry=REFERENCE)
+            self.acks: list[tuple[Any, Any]] = []  # (native, reference), acknowledged
+
+        def _native(self, fail: int | None, call: Any) -> Any:
+            """``call()`` on the native controller with ``fail`` armed; None if it failed."""
+            if fail is not None:
+                inject(fail, 2)  # out of memory: not sticky, the controller goes on
+            try:
+                return call()
+            except TransferFailed as exc:
+                assert isinstance(exc.cause, KernelError)
+                return None
+            finally:
+                for which in (LAUNCH, MEMCPY, BATCH):
+                    inject(which, 0)
+
+        @rule(pages=page_sets, fail=failures)
+        def write(self, pages: list[int], fail: int | None) -> None:
+            if self.ref_ctl.allocator.available_size() < len(pages) * page:
+                return
+            d = _pages(pages, page)
+            if self._native(fail, lambda: self.ctl.write(d)) is not None:
+                self.ref_ctl.write(d)
+
+        @rule()
+        def acknowledge(self) -> None:
+            native, ref = self.ctl.wait_acks(), self.ref_ctl.wait_acks()
+            assert [a.host_indices.tolist() for a in native] == [
+                a.host_indices.tolist() for a in ref]
+            self.acks += zip(native, ref, strict=True)
+
+        @precondition(lambda self: self.acks)
+        @rule(data=st.data(), pages=page_sets, all_layers=st.booleans(), fail=failures)
+        def load(self, data: st.DataObject, pages: list[int], all_layers: bool,
+                 fail: int | None) -> None:
+            ack, ref_ack = data.draw(st.sampled_from(self.acks))
+            n = ack.host_indices.numel() // page  # as many distinct device pages
+            dst = _pages([*pages, *(p for p in range(DEVICE_PAGES) if p not in pages)][:n], page)
+
+            def load() -> Any:
+                handle = self.ctl.load(ack.host_indices, dst, all_layers=all_layers)
+                for layer in range(handle.num_layers):
+                    handle.wait_layer(layer)
+                handle.wait()
+                return handle
+
+            if self._native(fail, load) is not None:
+                self.ref_ctl.load(ref_ack.host_indices, dst, all_layers=all_layers).wait()
+
+        @precondition(lambda self: self.acks)
+        @rule(data=st.data())
+        def free(self, data: st.DataObject) -> None:
+            ack, ref_ack = self.acks.pop(data.draw(st.integers(0, len(self.acks) - 1)))
+            self.ctl.free_host(ack.host_indices)
+            self.ref_ctl.free_host(ref_ack.host_indices)
+
+        @invariant()
+        def same_as_the_reference(self) -> None:
+            _assert_same("after the step", self.native, self.ref)
+            assert self.ctl.allocator.state() == self.ref_ctl.allocator.state()
+            assert self.ctl.usable and fallbacks == []
+
+    run_state_machine_as_test(Steps, settings=settings(
+        max_examples=15, stateful_step_count=25, deadline=None,
+        suppress_health_check=[HealthCheck.too_slow]))
