@@ -410,3 +410,49 @@ def test_random_sequences_with_failures_match_the_reference(
     run_state_machine_as_test(Steps, settings=settings(
         max_examples=15, stateful_step_count=25, deadline=None,
         suppress_health_check=[HealthCheck.too_slow]))
+
+
+def test_bad_input_on_the_gpu_path_gives_the_oracle_result_or_a_typed_error(
+        on_gpu_path: Registry) -> None:
+    """The reliability suite's random misuse (tests/reliability/bad_input.py: wrong dtypes,
+    shapes, devices, out-of-range and duplicate indices, no tensor at all) through a
+    controller on the GPU's path with kvio_rocm's emulated kernels: a typed error with
+    nothing changed, or exactly the oracle's result. An index that reached the emulated
+    kernels out of range would be an out-of-bounds access of this process's memory."""
+    from hypothesis import HealthCheck, given, reject, settings
+    from hypothesis import strategies as st
+    from reliability.bad_input import bad_input_case
+    from reliability.helpers import small_pools
+
+    from kvcore.errors import KVCoreError
+    from kvcore.layout import head_group_options, layouts_for
+
+    @st.composite
+    def controllers(draw: st.DrawFn) -> HiCacheController:
+        kind = draw(st.sampled_from(list(Kind)))
+        layout = draw(st.sampled_from(layouts_for(kind)))
+        head_num = 1 if kind is Kind.MLA else draw(st.integers(1, 2))
+        dtype = draw(st.sampled_from([torch.float16, torch.bfloat16, torch.float32]))
+        head_dim = draw(st.sampled_from([8, 16]))  # 16-byte rows: what the kernels move
+        if not head_group_options(kind, layout, head_num, head_dim, dtype.itemsize):
+            reject()
+        pools = small_pools(kind, layout, num_layers=draw(st.integers(1, 2)),
+                            head_num=head_num, head_dim=head_dim,
+                            page_size=draw(st.sampled_from([1, 2, 4])),
+                            device_pages=draw(st.integers(1, 3)),
+                            host_pages=draw(st.integers(1, 3)), dtype=dtype,
+                            seed=draw(st.integers(0, 2**16)))
+        try:
+            ctl = HiCacheController(*pools, registry=on_gpu_path)
+        except KVCoreError:
+            reject()
+        assert ctl.plan("write_back").backend_name == "rocm_emulated"
+        return ctl
+
+    @settings(max_examples=150, deadline=None,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+    @given(data=st.data())
+    def check(data: st.DataObject) -> None:
+        bad_input_case(data, data.draw(controllers()))
+
+    check()
