@@ -287,6 +287,8 @@ class NativeBackend:
                   and self._offers("has_signaled_load_job") else None)
         if as_job is not None:
             flush_at_exit(self.lib)
+        out = ctypes.c_void_p()  # the job handle, written under _signal_lock like the epochs
+        out_ref = ctypes.byref(out)
         fence = Fence(self.device)
         groups: dict[int, int] = {}  # tokens per load -> layers that land together
 
@@ -317,9 +319,9 @@ class NativeBackend:
                     signaled(*args, buf.counters or None, buf.flags or None, epoch, s or None,
                              done.bounds)
                 else:
-                    out = ctypes.c_void_p()
+                    out.value = None
                     as_job(*args, buf.counters or None, buf.flags or None, epoch, s or None,
-                           raw(after) or None, done.bounds, ctypes.byref(out))
+                           raw(after) or None, done.bounds, out_ref)
                     completion = NativeJob(self.lib, out.value or 0, done, (h, d),
                                            "kvio_load_layers_signaled_job", wait_on_drop=False)
             return NativeLayerSignals(self, buf, epoch, done, group, num_layers, completion)
