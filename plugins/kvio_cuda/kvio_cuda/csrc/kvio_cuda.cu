@@ -1830,7 +1830,10 @@ cudaError_t copy_to_device(void* dst, const void* src, int64_t nbytes, cudaStrea
 
 constexpr int kJobPending = KVIO_JOB_PENDING;  // kvio_job_status: not issued, or issued and still running
 
-struct StagedJob {
+// What the job functions (kvio_job_status / _wait / _release) report on: a staged write-back
+// handed to the thread or issued inline (every field), or a signaled load issued as a job
+// (kvio_load_layers_signaled_job: device, stream and the events only).
+struct Job {
     const uint64_t* k_ptrs;
     const uint64_t* v_ptrs;
     int32_t num_layers;
@@ -1869,7 +1872,7 @@ cudaError_t take_job_event(int device, cudaEvent_t* out) {
     return cudaEventCreateWithFlags(out, cudaEventDisableTiming);
 }
 
-void give_job_events(const StagedJob* job) {
+void give_job_events(const Job* job) {
     std::lock_guard<std::mutex> lock(g_mutex);
     for (cudaEvent_t e : {job->after, job->done}) {
         if (e != nullptr) g_job_events[job->device].push_back(e);
@@ -1880,7 +1883,7 @@ void give_job_events(const StagedJob* job) {
 // after whatever was enqueued (so a completion is never reported while a part of the
 // transfer may still run). `host_idx`: the job's own copy, or the caller's array where the
 // caller issues it.
-cudaError_t issue_staged_job(const StagedJob& job, const int64_t* host_idx, int64_t n_tokens) {
+cudaError_t issue_staged_job(const Job& job, const int64_t* host_idx, int64_t n_tokens) {
     cudaError_t err = cudaSetDevice(job.device);
     if (err == cudaSuccess && job.after != nullptr) {
         err = cudaStreamWaitEvent(job.stream, job.after, 0);
@@ -1900,7 +1903,7 @@ cudaError_t issue_staged_job(const StagedJob& job, const int64_t* host_idx, int6
 
 class JobQueue {
   public:
-    void push(StagedJob* job) {
+    void push(Job* job) {
         std::lock_guard<std::mutex> lock(mutex);
         if (!started_) {
             std::thread(&JobQueue::serve, this).detach();  // lives as long as the process
@@ -1911,7 +1914,7 @@ class JobQueue {
     }
 
     // Blocks until `job` was issued (or failed to be).
-    void wait_issued(StagedJob* job) {
+    void wait_issued(Job* job) {
         std::unique_lock<std::mutex> lock(mutex);
         issued_.wait(lock, [job] { return job->issued; });
     }
@@ -1922,7 +1925,7 @@ class JobQueue {
         issued_.wait(lock, [this] { return jobs_.empty() && !busy_; });
     }
 
-    void release(StagedJob* job) {
+    void release(Job* job) {
         bool free_now;
         {
             std::lock_guard<std::mutex> lock(mutex);
@@ -1935,14 +1938,14 @@ class JobQueue {
     std::mutex mutex;
 
   private:
-    static void destroy(StagedJob* job) {
+    static void destroy(Job* job) {
         give_job_events(job);
         delete job;
     }
 
     void serve() {
         for (;;) {
-            StagedJob* job;
+            Job* job;
             {
                 std::unique_lock<std::mutex> lock(mutex);
                 ready_.wait(lock, [this] { return !jobs_.empty(); });
@@ -1965,7 +1968,7 @@ class JobQueue {
         }
     }
 
-    std::deque<StagedJob*> jobs_;
+    std::deque<Job*> jobs_;
     std::condition_variable ready_;
     std::condition_variable issued_;
     bool started_ = false;
@@ -1992,7 +1995,7 @@ cudaError_t write_back_staged_async(const uint64_t* k_ptrs, const uint64_t* v_pt
     KVIO_CHECK(check_staged(kDeviceToHost, k_ptrs, v_ptrs, num_layers, host_base, layout,
                             host_idx_cpu, dev_idx, n_tokens, staging, staging_bytes, bounds));
     if (n_tokens == 0) {  // nothing to do: a job that has finished (no event, no thread)
-        auto job = std::make_unique<StagedJob>();
+        auto job = std::make_unique<Job>();
         job->issued = true;
         *job_out = job.release();
         return cudaSuccess;
@@ -2006,7 +2009,7 @@ cudaError_t write_back_staged_async(const uint64_t* k_ptrs, const uint64_t* v_pt
     }
     DeviceGuard guard;
     KVIO_CHECK(guard.enter(s));
-    auto job = std::make_unique<StagedJob>();
+    auto job = std::make_unique<Job>();
     job->device = guard.device();
     job->k_ptrs = k_ptrs;
     job->v_ptrs = v_ptrs;
@@ -2044,7 +2047,7 @@ cudaError_t write_back_staged_async(const uint64_t* k_ptrs, const uint64_t* v_pt
         return cudaSuccess;
     }
     job->host_idx.assign(host_idx_cpu, host_idx_cpu + n_tokens);
-    StagedJob* raw = job.release();
+    Job* raw = job.release();
     job_queue().push(raw);
     *job_out = raw;
     return cudaSuccess;
@@ -2052,7 +2055,7 @@ cudaError_t write_back_staged_async(const uint64_t* k_ptrs, const uint64_t* v_pt
 
 // The status of a job: kJobPending, cudaSuccess once everything it enqueued completed, or
 // the error that failed it.
-int job_status(StagedJob* job, bool wait) {
+int job_status(Job* job, bool wait) {
     JobQueue& queue = job_queue();
     if (wait) {
         queue.wait_issued(job);
@@ -2091,7 +2094,7 @@ cudaError_t load_layers_signaled_job(const uint64_t* k_ptrs, const uint64_t* v_p
     cudaStream_t after = static_cast<cudaStream_t>(after_stream);
     DeviceGuard guard;
     KVIO_CHECK(guard.enter(s));
-    auto job = std::make_unique<StagedJob>();
+    auto job = std::make_unique<Job>();
     job->device = guard.device();
     job->stream = s;
     auto issue = [&]() -> cudaError_t {
@@ -2193,16 +2196,16 @@ KVIO_API int kvio_write_back_staged_inline(const uint64_t* k_ptrs, const uint64_
 
 KVIO_API int kvio_job_status(void* job) {
     return job == nullptr ? static_cast<int>(cudaErrorInvalidValue)
-                          : job_status(static_cast<StagedJob*>(job), false);
+                          : job_status(static_cast<Job*>(job), false);
 }
 
 KVIO_API int kvio_job_wait(void* job) {
     return job == nullptr ? static_cast<int>(cudaErrorInvalidValue)
-                          : job_status(static_cast<StagedJob*>(job), true);
+                          : job_status(static_cast<Job*>(job), true);
 }
 
 KVIO_API void kvio_job_release(void* job) {
-    if (job != nullptr) job_queue().release(static_cast<StagedJob*>(job));
+    if (job != nullptr) job_queue().release(static_cast<Job*>(job));
 }
 
 KVIO_API void kvio_jobs_flush(void) { job_queue().flush(); }
