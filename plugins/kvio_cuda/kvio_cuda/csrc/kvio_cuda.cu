@@ -1398,12 +1398,20 @@ cudaError_t check_signaled(const uint64_t* k_ptrs, int32_t num_layers, void* hos
     return cudaSuccess;
 }
 
+// Zeroes what a signaled launch counts in (tile counters and the in-order cursor) on `s`.
+cudaError_t zero_signal_counters(uint32_t* counters, int32_t num_layers, cudaStream_t s) {
+    return cudaMemsetAsync(counters, 0, (size_t(num_layers) + 1) * sizeof(uint32_t), s);
+}
+
+// `zeroed`: the caller already zeroed the counters on `stream` (the job form does, before its
+// wait for the caller's stream, so that the memset is not between that wait and the launch).
 cudaError_t load_layers_signaled(const uint64_t* k_ptrs, const uint64_t* v_ptrs,
                                  int32_t num_layers, void* host_base,
                                  const kvio_layout& layout, const void* host_idx,
                                  int host_idx_64, const void* dev_idx, int dev_idx_64,
                                  int64_t n_tokens, uint32_t* counters, uint32_t* flags,
-                                 uint32_t epoch, void* stream, const kvio_bounds* bounds) {
+                                 uint32_t epoch, void* stream, const kvio_bounds* bounds,
+                                 bool zeroed = false) {
     KVIO_CHECK(check_signaled(k_ptrs, num_layers, host_base, layout, host_idx, dev_idx,
                               n_tokens, counters, flags, bounds));
     cudaStream_t s = static_cast<cudaStream_t>(stream);
@@ -1422,7 +1430,9 @@ cudaError_t load_layers_signaled(const uint64_t* k_ptrs, const uint64_t* v_ptrs,
                                  layout.num_chunks, guard.device(), &g));
     // every launch starts from zero counts and a zero in-order cursor (publish_in_order),
     // whatever loads of other layer counts left in this memory
-    KVIO_CHECK(cudaMemsetAsync(counters, 0, (size_t(num_layers) + 1) * sizeof(uint32_t), s));
+    if (!zeroed) {
+        KVIO_CHECK(zero_signal_counters(counters, num_layers, s));
+    }
     const Signals sig = {counters, flags, epoch};
     const SignaledKernel kernel = kSignaledKernels[log2_exact(g.vec)][needs_wide_index(p.total)];
     kernel<<<g.grid, kThreads, 0, s>>>(p, num_layers, sig);
@@ -2099,6 +2109,9 @@ cudaError_t load_layers_signaled_job(const uint64_t* k_ptrs, const uint64_t* v_p
     job->stream = s;
     auto issue = [&]() -> cudaError_t {
         KVIO_CHECK(take_job_event(job->device, &job->done));
+        // the counters belong to this stream's loads, the one before on `s` has finished with
+        // them: zeroed ahead of the wait, the memset overlaps it instead of following it
+        KVIO_CHECK(zero_signal_counters(counters, num_layers, s));
         if (after != s) {
             KVIO_CHECK(take_job_event(job->device, &job->after));
             KVIO_CHECK(cudaEventRecord(job->after, after));
@@ -2106,7 +2119,7 @@ cudaError_t load_layers_signaled_job(const uint64_t* k_ptrs, const uint64_t* v_p
         }
         KVIO_CHECK(load_layers_signaled(k_ptrs, v_ptrs, num_layers, host_base, layout,
                                         host_idx, host_idx_64, dev_idx, dev_idx_64, n_tokens,
-                                        counters, flags, epoch, stream, bounds));
+                                        counters, flags, epoch, stream, bounds, true));
         return cudaEventRecord(job->done, s);
     };
     const cudaError_t err = issue();
