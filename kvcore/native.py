@@ -295,8 +295,9 @@ class NativeBackend:
         def run_signaled(h: torch.Tensor, d: torch.Tensor, layer: int | None, stream: Any,
                          chained: bool, after: Any = None) -> BoundsCompletion | LayerSignals:
             signals = layer is None and signaled is not None and self._layer_signals()
-            if after is not None and not signals:  # what is not one job follows a fence
-                fence.order(stream, after)
+            if after is not None and not (signals and as_job is not None):
+                fence.order(stream, after)  # what is not one job follows a fence
+                after = None
             if layer is not None:
                 return run_direct(h, d, layer, stream, chained)
             if not signals:
