@@ -186,7 +186,8 @@ class HiCacheController:
                                      "whole pages)", f"{d.numel()} entries", "write")
             if not owns:
                 self.bound[(0, Op.WRITE_BACK)].check(host_indices, d)
-            h = self.allocator.alloc(d.numel()) if owns else host_indices
+            h, values = (self.allocator.alloc_values(d.numel()) if owns
+                         else (host_indices, None))
             if owns:
                 try:
                     self.bound[(0, Op.WRITE_BACK)].check(h, d, host_trusted=True)
@@ -202,7 +203,7 @@ class HiCacheController:
                     self.allocator.free(h)
                 raise self._failure("write-back", exc) from exc
             if owns:
-                self._issued.add(h)
+                self._issued.add(h, values)
             return self._writes.add(h, d, subs[-1].event, subs, owns)
 
     def on_cache_event(self, event: CacheEvent | str, device_indices: torch.Tensor,

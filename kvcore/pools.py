@@ -134,12 +134,13 @@ class AllocatorState:
 
 
 class SlotAllocator:
-    """Page-granular allocator of host token slots, detecting double allocation and free.
+    """Page-granular allocator of host token slots, refusing a double free.
 
     Slots are handed out in whole pages; a page's ``page_size`` slots are contiguous. Indices
     are int64 token indices on the CPU. Safe for concurrent callers (controllers sharing a
     host pool, threads sharing a controller): each call holds a lock for its few
-    microseconds.
+    microseconds. No page is handed out twice: the free list holds only pages never handed
+    out or given back by :meth:`free`, which refuses any page that is not allocated.
     """
 
     def __init__(self, size: int, page_size: int) -> None:
@@ -164,6 +165,11 @@ class SlotAllocator:
 
     def alloc(self, num_tokens: int) -> torch.Tensor:
         """Token indices of ``num_tokens / page_size`` free pages; all or nothing."""
+        return self.alloc_values(num_tokens)[0]
+
+    def alloc_values(self, num_tokens: int) -> tuple[torch.Tensor, np.ndarray]:
+        """:meth:`alloc`, with the NumPy array the tensor shares its memory with (what a
+        caller that keeps a copy of the values reads without converting the tensor)."""
         if num_tokens < 0 or num_tokens % self.page_size:
             raise InvalidArgument("num_tokens", f"a non-negative multiple of page_size "
                                   f"{self.page_size}", str(num_tokens))
@@ -174,14 +180,10 @@ class SlotAllocator:
                 raise AllocatorError(f"host pool full: {num_tokens} slots requested, "
                                      f"{self.available_size()} free of {self.size}")
             pages = self._free[top - n:top][::-1]
-            taken = self._taken
-            if np.count_nonzero(taken[pages]):  # (count_nonzero: a fraction of any()'s cost)
-                bad = int(pages[np.flatnonzero(taken[pages])[0]])
-                raise AllocatorError(f"double allocation: free list holds taken page {bad}")
-            taken[pages] = True
+            self._taken[pages] = True
             self._top = top - n
-            tokens = self._tokens.take(pages, axis=0)
-        return torch.from_numpy(tokens.reshape(-1))
+            tokens = self._tokens.take(pages, axis=0).reshape(-1)
+        return torch.from_numpy(tokens), tokens
 
     def free(self, indices: torch.Tensor, *, checked: bool = False) -> None:
         """Return whole pages; freeing a page that is not allocated raises and frees nothing.

@@ -132,14 +132,15 @@ class CheckedTensors:
         self._entries: dict[int, tuple[weakref.ref[torch.Tensor], torch.dtype, bytes]] = {}
         self._lock = threading.Lock()
 
-    def add(self, t: torch.Tensor) -> None:
-        """Remember ``t`` with its values now (a CPU tensor)."""
+    def add(self, t: torch.Tensor, values: np.ndarray | None = None) -> None:
+        """Remember ``t`` with its values now (a CPU tensor; ``values``: an array holding
+        them, which saves converting ``t``)."""
         key = id(t)
         # a bounded memory lets its dead entries age out; an unbounded one drops them as
         # their tensors go
         ref = (weakref.ref(t) if self._capacity is not None
                else weakref.ref(t, lambda _, k=key: self._forget(k)))
-        entry = (ref, t.dtype, t.numpy().tobytes())
+        entry = (ref, t.dtype, (t.numpy() if values is None else values).tobytes())
         with self._lock:
             entries = self._entries
             entries.pop(key, None)
