@@ -6,10 +6,12 @@ support, through torch's device module for that type (``torch.get_device_module`
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
+import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -89,12 +91,75 @@ def new_event(device: torch.device) -> Any:
 
 
 def recorded_event(device: torch.device, stream: Any) -> Any:
-    """A new event recorded on ``stream`` (None: the current stream), or None where
-    ``device`` has no streams."""
-    event = new_event(device)
-    if event is not None:
+    """An event recorded on ``stream`` now (None: the current stream), or None where
+    ``device`` has no streams: one of the device's :class:`EventPool`, so a new one only
+    where every earlier one is still held."""
+    if not has_streams(device):
+        return None
+    pool = _POOLS.get(device)
+    if pool is None:
+        pool = _POOLS.setdefault(device, EventPool(functools.partial(new_event, device)))
+    return pool.recorded(stream)
+
+
+#: events an :class:`EventPool` keeps for reuse; beyond them, new events are not kept
+EVENT_POOL_SIZE = 1024
+
+
+class EventPool:
+    """Events of one device, recorded again once nothing but the pool refers to them.
+
+    Every submit records an event for its completion (a per-layer load, one per layer), and
+    creating one cost the caller about 3 us on an H200 host, against 0.7 us to record one
+    again (docs/benchmarks/h200-2026-12-04e, ``call_parts.log``). An event no submission,
+    queue, ring or caller holds any more is recorded again instead: a wait enqueued on it
+    stays bound to the record it was made against, and nobody is left to query the old one.
+    Whether anything holds it is read from the interpreter's reference count; where that is
+    not exact (a free-threaded build), every call makes a new event. Each call looks at the
+    two oldest events only, so a held one costs a look, not a scan.
+    """
+
+    def __init__(self, make: Callable[[], Any], size: int = EVENT_POOL_SIZE) -> None:
+        self._make = make
+        self._size = size
+        self._events: collections.deque[Any] = collections.deque()
+
+    def recorded(self, stream: Any) -> Any:
+        events = self._events
+        if _UNHELD is not None:
+            for _ in range(2 if len(events) > 1 else len(events)):
+                try:
+                    event = events.popleft()
+                except IndexError:  # another thread took the last one
+                    break
+                events.append(event)
+                # held by the deque, this frame and the call's argument, and nothing else
+                if sys.getrefcount(event) <= _UNHELD:
+                    event.record(stream)
+                    return event
+        event = self._make()
+        if _UNHELD is not None and len(events) < self._size:
+            events.append(event)
         event.record(stream)
-    return event
+        return event
+
+    def __len__(self) -> int:
+        return len(self._events)
+
+
+def _unheld_count() -> int | None:
+    """What ``sys.getrefcount`` says in :meth:`EventPool.recorded` of an event nothing else
+    holds (None where reference counts are not exact, and events are never reused)."""
+    if getattr(sys, "_is_gil_enabled", lambda: True)() is False:
+        return None
+    events: collections.deque[Any] = collections.deque([object()])
+    event = events.popleft()
+    events.append(event)
+    return sys.getrefcount(event)
+
+
+_UNHELD = _unheld_count()
+_POOLS: dict[torch.device, EventPool] = {}
 
 
 @contextlib.contextmanager
