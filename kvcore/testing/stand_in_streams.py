@@ -31,6 +31,7 @@ import kvcore.native
 import kvcore.placement
 import kvcore.plan
 import kvcore.streams
+from kvcore.streams import EventPool
 
 
 class NullStream:
@@ -77,7 +78,7 @@ def stand_in_streams(device_type: str) -> Iterator[NullStream]:
     """Within the block, devices of ``device_type`` have (stand-in) streams; yields the
     stream that counts as current. Everything is put back on exit."""
     current = NullStream(torch.device(device_type))
-    done = NullEvent()  # (stateless: one serves every use)
+    events = EventPool(NullEvent)  # (as recorded_event keeps a device's events)
 
     def has_streams(device: torch.device) -> bool:
         return device.type == device_type
@@ -92,8 +93,8 @@ def stand_in_streams(device_type: str) -> Iterator[NullStream]:
         "has_streams": has_streams,
         "new_stream": NullStream,
         "current_stream": lambda device: current,
-        "new_event": lambda device: done,
-        "recorded_event": lambda device, stream: done,
+        "new_event": lambda device: NullEvent(),
+        "recorded_event": lambda device, stream: events.recorded(stream),
         "on_stream": on_stream,
     }
     saved: list[tuple[Any, str, Any]] = []
