@@ -94,10 +94,10 @@ def recorded_event(device: torch.device, stream: Any) -> Any:
     """An event recorded on ``stream`` now (None: the current stream), or None where
     ``device`` has no streams: one of the device's :class:`EventPool`, so a new one only
     where every earlier one is still held."""
-    if not has_streams(device):
-        return None
-    pool = _POOLS.get(device)
+    pool = _POOLS.get(device)  # (a device with a pool has streams: asked once)
     if pool is None:
+        if not has_streams(device):
+            return None
         pool = _POOLS.setdefault(device, EventPool(functools.partial(new_event, device)))
     return pool.recorded(stream)
 
