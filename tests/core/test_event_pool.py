@@ -105,3 +105,9 @@ def test_threads_never_get_an_event_another_one_holds() -> None:
 
 def test_a_device_without_streams_records_nothing() -> None:
     assert recorded_event(torch.device("cpu"), None) is None
+
+
+def test_a_device_without_streams_has_no_current_stream_however_often_asked() -> None:
+    from kvcore.streams import current_stream
+
+    assert [current_stream(torch.device("cpu")) for _ in range(3)] == [None, None, None]
