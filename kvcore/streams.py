@@ -35,7 +35,13 @@ def resolve_device(device: torch.device | str) -> torch.device:
 
 def has_streams(device: torch.device) -> bool:
     """Whether work on ``device`` is asynchronous and ordered by streams."""
-    return device.type not in ("cpu", "meta")
+    known = _HAS_STREAMS.get(device)
+    if known is None:  # (a torch.device's type is a new string per read: a quarter us)
+        known = _HAS_STREAMS[device] = device.type not in ("cpu", "meta")
+    return known
+
+
+_HAS_STREAMS: dict[torch.device, bool] = {}
 
 
 def new_stream(device: torch.device) -> Any:
