@@ -11,6 +11,7 @@ about as much again, docs/benchmarks/h200-2026-12-04e). Use it to see what a cha
 submit path costs or saves before a GPU is at hand, not as a GPU figure.
 
     python scripts/probe_null_device.py                   # markdown table, median us
+    python scripts/probe_null_device.py --per-layer       # SGLang's per-layer submits
     python scripts/probe_null_device.py --loop write --pages 1 --seconds 8   # for py-spy:
     py-spy record --rate 4000 --format raw -o w.txt -- python scripts/probe_null_device.py \
         --loop write
@@ -118,6 +119,26 @@ def measure(registry: Registry, kind: str, layout: str, pages: int,
             1e6 * statistics.median(waits))
 
 
+def per_layer(registry: Registry, pages: int, indices_on: str, calls: int,
+              current: NullStream) -> float:
+    """Median us of one ``BoundPlan.submit(..., layer=i)`` as kvcore-sglang's hooks make it,
+    32 per load with the same index tensors: both on the CPU (SGLang's "direct" io backend)
+    or both on the device (its "kernel" backend moves them there first)."""
+    from kvcore.layout import Op
+
+    bound = controller(registry, "mha", "page_first", pages).bound[(0, Op.LOAD_LAYER)]
+    where = DEVICE if indices_on == "device" else torch.device("cpu")
+    h = torch.arange(pages * P, device=where)
+    d = torch.arange(pages * P, 2 * pages * P, device=where)
+    loads = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        for layer in range(LAYERS):
+            bound.submit(h, d, layer=layer, stream=current)
+        loads.append((time.perf_counter() - t0) / LAYERS)
+    return 1e6 * statistics.median(loads)
+
+
 def loop(registry: Registry, op: str, pages: int, seconds: float) -> None:
     """``op`` calls back to back for a sampling profiler (the same ack loaded again)."""
     ctl = controller(registry, "mha", "page_first", pages)
@@ -142,11 +163,21 @@ def main() -> None:
     ap.add_argument("--pages", type=int, nargs="*", default=[1, 4, 16, 64])
     ap.add_argument("--loop", choices=("write", "load"))
     ap.add_argument("--seconds", type=float, default=8.0)
+    ap.add_argument("--per-layer", action="store_true",
+                    help="time per-layer submits as kvcore-sglang's hooks make them instead")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp, stand_in_streams(DEVICE.type) as current:
         registry = null_registry(build_library(Path(tmp)), current)
         if args.loop:
             loop(registry, args.loop, args.pages[0], args.seconds)
+            return
+        if args.per_layer:
+            print("| pages | indices on | one submit(layer=i) us |")
+            print("|---|---|---|")
+            for pages in args.pages:
+                for on in ("cpu", "device"):
+                    us = per_layer(registry, pages, on, max(1, args.calls // 10), current)
+                    print(f"| {pages} | {on} | {us:.1f} |", flush=True)
             return
         print("| kind | layout | pages | write() us | load() us | wait_layer x32 us |")
         print("|---|---|---|---|---|---|")

@@ -38,3 +38,12 @@ def test_every_row_of_the_null_device_probe_runs(mode: tuple[str, str]) -> None:
                                                    ("mha", "layer_first"))
         for pages in ("1", "16")]
     assert all(float(v) > 0 for r in rows for v in r[3:])
+
+
+def test_the_per_layer_submits_of_sglangs_hooks_run_with_indices_on_either_side() -> None:
+    out = subprocess.run([sys.executable, str(PROBE), "--per-layer", "--calls", "20",
+                          "--pages", "1"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [[c.strip() for c in line.split("|")[1:-1]] for line in out.stdout.splitlines()
+            if line.startswith("| 1 |")]
+    assert [r[1] for r in rows] == ["cpu", "device"] and all(float(r[2]) > 0 for r in rows)
