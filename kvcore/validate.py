@@ -129,18 +129,25 @@ class CheckedTensors:
 
     def __init__(self, capacity: int | None = None) -> None:
         self._capacity = capacity
-        self._entries: dict[int, tuple[weakref.ref[torch.Tensor], torch.dtype, bytes]] = {}
+        # id -> (weak reference, dtype, the bytes remembered, and where ``add`` was given the
+        # array ``t`` was made from: that array and ``t``'s data address then)
+        self._entries: dict[int, tuple[weakref.ref[torch.Tensor], torch.dtype, bytes,
+                                       np.ndarray | None, int]] = {}
         self._lock = threading.Lock()
 
     def add(self, t: torch.Tensor, values: np.ndarray | None = None) -> None:
-        """Remember ``t`` with its values now (a CPU tensor; ``values``: an array holding
-        them, which saves converting ``t``)."""
+        """Remember ``t`` with its values now (a CPU tensor). ``values``: the NumPy array
+        ``t`` was made from (``torch.from_numpy``: it shares ``t``'s memory and does not
+        refer to ``t``): it saves converting ``t`` now and at each lookup."""
         key = id(t)
         # a bounded memory lets its dead entries age out; an unbounded one drops them as
         # their tensors go
         ref = (weakref.ref(t) if self._capacity is not None
                else weakref.ref(t, lambda _, k=key: self._forget(k)))
-        entry = (ref, t.dtype, (t.numpy() if values is None else values).tobytes())
+        if values is None:
+            entry = (ref, t.dtype, t.numpy().tobytes(), None, 0)
+        else:
+            entry = (ref, t.dtype, values.tobytes(), values, t.data_ptr())
         with self._lock:
             entries = self._entries
             entries.pop(key, None)
@@ -150,9 +157,16 @@ class CheckedTensors:
 
     def __contains__(self, t: object) -> bool:
         entry = self._entries.get(id(t))
-        return (entry is not None and entry[0]() is t
-                and t.dtype is entry[1] and t.is_cpu  # type: ignore[attr-defined]
-                and t.numpy().tobytes() == entry[2])  # type: ignore[attr-defined]
+        if (entry is None or entry[0]() is not t
+                or t.dtype is not entry[1] or not t.is_cpu):  # type: ignore[attr-defined]
+            return False
+        values = entry[3]
+        # still the memory of the array it was made from (which the entry keeps alive, so no
+        # other buffer can sit at that address), laid out as then: read the array
+        if (values is not None and t.data_ptr() == entry[4]  # type: ignore[attr-defined]
+                and t.is_contiguous() and t.numel() == values.size):  # type: ignore[attr-defined]
+            return values.tobytes() == entry[2]
+        return t.numpy().tobytes() == entry[2]  # type: ignore[attr-defined]
 
     def __len__(self) -> int:
         return len(self._entries)

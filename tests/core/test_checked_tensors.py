@@ -45,6 +45,41 @@ def test_a_remembered_tensor_counts_while_it_holds_the_same_values() -> None:
     assert [1, 2] not in seen and None not in seen
 
 
+def test_a_tensor_remembered_with_the_array_it_was_made_from_is_judged_the_same_way() -> None:
+    """``add(t, values)`` (the allocator's tensors) reads the array instead of converting
+    ``t`` while ``t`` still uses that memory as it did; any other layout falls back."""
+    import numpy as np
+
+    seen = CheckedTensors()
+    values = np.arange(8, dtype=np.int64)
+    t = torch.from_numpy(values)
+    seen.add(t, values)
+    assert t in seen
+    t[0] = 5  # through torch
+    assert t not in seen
+    t[0] = 0
+    assert t in seen
+    values[3] = 9  # through the array itself
+    assert t not in seen
+    values[3] = 3
+    t.numpy()[7] = 1  # through another NumPy view
+    assert t not in seen
+    t.numpy()[7] = 7
+    assert t in seen
+    t.set_(torch.arange(8))  # other memory, the same values: compared as any tensor
+    assert t in seen
+    t.set_(torch.arange(8) * 3)  # other memory and values
+    assert t not in seen
+    u_values = np.arange(8, dtype=np.int64)
+    u = torch.from_numpy(u_values)
+    seen.add(u, u_values)
+    u.as_strided_((4,), (2,))  # the same address, another layout of it
+    assert u not in seen
+    del u
+    gc.collect()
+    assert len(seen) == 1  # the array does not keep its tensor's entry alive
+
+
 def test_a_tensor_that_is_gone_is_forgotten_and_its_id_never_vouches_for_another() -> None:
     seen = CheckedTensors()
     t = torch.arange(8)
