@@ -80,8 +80,13 @@ def stand_in_streams(device_type: str) -> Iterator[NullStream]:
     current = NullStream(torch.device(device_type))
     events = EventPool(NullEvent)  # (as recorded_event keeps a device's events)
 
-    def has_streams(device: torch.device) -> bool:
-        return device.type == device_type
+    known: dict[torch.device, bool] = {}
+
+    def has_streams(device: torch.device) -> bool:  # (remembered per device, as kvcore's)
+        answer = known.get(device)
+        if answer is None:
+            answer = known[device] = device.type == device_type
+        return answer
 
     @contextlib.contextmanager
     def on_stream(stream: Any) -> Iterator[None]:
