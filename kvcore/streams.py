@@ -176,7 +176,33 @@ def _unheld_count() -> int | None:
     return sys.getrefcount(event)
 
 
+def _reuse_is_sound() -> bool:
+    """Whether :meth:`EventPool.recorded` itself, on this interpreter, hands out no event that
+    is still held and does take one that is not (a different build could count references
+    at that call differently from :func:`_unheld_count`'s)."""
+
+    class Probe:
+        def record(self, stream: Any) -> None:
+            pass
+
+    pool = EventPool(Probe, size=8)
+    held = [pool.recorded(None) for _ in range(3)]
+    if len({id(e) for e in held}) != 3:
+        return False
+    freed = id(held.pop())  # (the pool keeps the object, so its id stays its own)
+    for _ in range(4):  # the pool looks at its two oldest events per call
+        event = pool.recorded(None)
+        if any(event is e for e in held):
+            return False
+        if id(event) == freed:
+            return True
+        held.append(event)
+    return False
+
+
 _UNHELD = _unheld_count()
+if _UNHELD is not None and not _reuse_is_sound():
+    _UNHELD = None
 _POOLS: dict[torch.device, EventPool] = {}
 
 

@@ -7,6 +7,7 @@ import random
 import threading
 from typing import Any
 
+import pytest
 import torch
 
 from kvcore.plan import Submission
@@ -111,3 +112,19 @@ def test_a_device_without_streams_has_no_current_stream_however_often_asked() ->
     from kvcore.streams import current_stream
 
     assert [current_stream(torch.device("cpu")) for _ in range(3)] == [None, None, None]
+
+
+def test_the_pool_checks_its_own_count_at_import_and_refuses_a_wrong_one(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The count an unheld event has at the check is calibrated, then the real method is
+    tried: one too high would hand out held events, one too low would reuse none; either
+    turns reuse off (every call makes a new event) instead of risking the first."""
+    from kvcore import streams
+
+    calibrated = streams._unheld_count()
+    assert calibrated is not None and streams._UNHELD == calibrated  # (CPython with a GIL)
+    for wrong in (calibrated - 1, calibrated + 1):
+        monkeypatch.setattr(streams, "_UNHELD", wrong)
+        assert streams._reuse_is_sound() is False
+    monkeypatch.setattr(streams, "_UNHELD", calibrated)
+    assert streams._reuse_is_sound() is True
