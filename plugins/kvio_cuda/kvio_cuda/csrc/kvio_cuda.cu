@@ -1882,6 +1882,17 @@ cudaError_t take_job_event(int device, cudaEvent_t* out) {
     return cudaEventCreateWithFlags(out, cudaEventDisableTiming);
 }
 
+// A job's completion event and, where it follows another stream than its own, that stream's
+// point now, recorded into its `after` event (the order point); both from the pool.
+cudaError_t take_job_events(Job* job, cudaStream_t after) {
+    KVIO_CHECK(take_job_event(job->device, &job->done));
+    if (after != job->stream) {
+        KVIO_CHECK(take_job_event(job->device, &job->after));
+        KVIO_CHECK(cudaEventRecord(job->after, after));
+    }
+    return cudaSuccess;
+}
+
 void give_job_events(const Job* job) {
     std::lock_guard<std::mutex> lock(g_mutex);
     for (cudaEvent_t e : {job->after, job->done}) {
@@ -2039,11 +2050,7 @@ cudaError_t write_back_staged_async(const uint64_t* k_ptrs, const uint64_t* v_pt
     // and the job only reports its completion.
     const bool here = capturing || on_caller;
     auto prepare = [&]() -> cudaError_t {
-        KVIO_CHECK(take_job_event(job->device, &job->done));
-        if (after != s) {
-            KVIO_CHECK(take_job_event(job->device, &job->after));
-            KVIO_CHECK(cudaEventRecord(job->after, after));
-        }
+        KVIO_CHECK(take_job_events(job.get(), after));
         return here ? issue_staged_job(*job, host_idx_cpu, n_tokens) : cudaSuccess;
     };
     const cudaError_t err = prepare();
@@ -2108,13 +2115,11 @@ cudaError_t load_layers_signaled_job(const uint64_t* k_ptrs, const uint64_t* v_p
     job->device = guard.device();
     job->stream = s;
     auto issue = [&]() -> cudaError_t {
-        KVIO_CHECK(take_job_event(job->device, &job->done));
         // the counters belong to this stream's loads, the one before on `s` has finished with
         // them: zeroed ahead of the wait, the memset overlaps it instead of following it
         KVIO_CHECK(zero_signal_counters(counters, num_layers, s));
-        if (after != s) {
-            KVIO_CHECK(take_job_event(job->device, &job->after));
-            KVIO_CHECK(cudaEventRecord(job->after, after));
+        KVIO_CHECK(take_job_events(job.get(), after));
+        if (job->after != nullptr) {
             KVIO_CHECK(cudaStreamWaitEvent(s, job->after, 0));
         }
         KVIO_CHECK(load_layers_signaled(k_ptrs, v_ptrs, num_layers, host_base, layout,
