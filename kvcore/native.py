@@ -257,9 +257,10 @@ class NativeBackend:
                 return self._staged_async_runner(job, run_staged, k_ptrs, v_ptrs, host_base,
                                                  layout, inline=route == "inline")
             return run_staged
-        if op is Op.LOAD_LAYER and variant == self.DMA and \
-                "kvio_load_layer_dma" in getattr(self.lib, "optional", ()):
-            return self._dma_runner(job, host_base, layout)
+        dma = (self.optional_unchecked("kvio_load_layer_dma")
+               if op is Op.LOAD_LAYER and variant == self.DMA else None)
+        if dma is not None:
+            return self._dma_runner(job, dma, host_base, layout)
         if op is Op.LOAD_LAYER and variant in (self.STAGED, self.DMA):
             return job_runner(self.run, job)  # refused, or one copy-engine call per layer
         direction = DEVICE_TO_HOST if op is Op.WRITE_BACK else HOST_TO_DEVICE
@@ -332,7 +333,7 @@ class NativeBackend:
         run_signaled.follows = as_job is not None  # type: ignore[attr-defined]
         return run_signaled
 
-    def _dma_runner(self, job: TransferJob, host_base: int | None,
+    def _dma_runner(self, job: TransferJob, dma: Callable[..., None], host_base: int | None,
                     layout: KvioLayout) -> Runner:
         """The copy-engine per-layer load's runner: one unchecked ``kvio_load_layer_dma`` per
         layer, with the layer tensors' addresses looked up once (a load of every layer makes
@@ -341,7 +342,6 @@ class NativeBackend:
         k_dst = [t.data_ptr() or None for t in pool.layers(0)]
         v_dst = ([t.data_ptr() or None for t in pool.layers(1)] if pool.v_ptrs is not None
                  else [None] * len(k_dst))
-        dma = self.lib.unchecked("kvio_load_layer_dma")  # type: ignore[attr-defined]
         issue, raw, batched = self._reports().issue, self.stream_handle, int(self.use_batched)
         host_tokens, device_tokens, op = job.host_geometry.size, pool.size, job.op
         every_layer = job_runner(self.run, job)

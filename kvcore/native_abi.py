@@ -620,18 +620,23 @@ class NativeLibrary:
                     staging: int, staging_bytes: int, use_batched: int | bool,
                     stream: int | None, after_stream: int | None,
                     bounds: KvioBounds | None) -> int:
+        self._require_jobs(function, exported)
+        return self._job_call(
+            function,
+            *_staged_args(k_ptrs, v_ptrs, num_layers, host_base, layout, host_idx_cpu, dev_idx,
+                          dev_idx_64, n_tokens, staging, staging_bytes, use_batched, stream),
+            _ptr("after_stream", after_stream), _bounds(bounds))
+
+    def _require_jobs(self, function: str, exported: bool) -> None:
         if not exported:
             raise BuildError(f"{self._where()} does not export {function} and the job "
                              f"functions (rebuild the {self.name} library)")
+
+    def _job_call(self, function: str, *args: Any) -> int:
+        """``function(*args, &job)``, a call that hands out a job: its status checked, the
+        job's handle returned."""
         job = ctypes.c_void_p()
-        status = getattr(self._lib, function)(
-            *_staged_args(k_ptrs, v_ptrs, num_layers, host_base, layout, host_idx_cpu, dev_idx,
-                          dev_idx_64, n_tokens, staging, staging_bytes, use_batched, stream),
-            _ptr("after_stream", after_stream),
-            _bounds(bounds),
-            ctypes.byref(job),
-        )
-        self.check(function, status)
+        self.check(function, getattr(self._lib, function)(*args, ctypes.byref(job)))
         return int(job.value or 0)
 
     def job_status(self, job: int) -> int:
@@ -751,20 +756,13 @@ class NativeLibrary:
         point, the launch and the completion event in one call. Raises as
         :meth:`load_layers_signaled` (no job is handed out then), and BuildError when the
         library lacks it."""
-        if not SIGNALED_JOB_FUNCTIONS <= self.optional:
-            raise BuildError(f"{self._where()} does not export kvio_load_layers_signaled_job "
-                             f"and the job functions (rebuild the {self.name} library)")
-        job = ctypes.c_void_p()
-        status = self._lib.kvio_load_layers_signaled_job(
+        function = "kvio_load_layers_signaled_job"
+        self._require_jobs(function, SIGNALED_JOB_FUNCTIONS <= self.optional)
+        return self._job_call(
+            function,
             *_signaled_args(k_ptrs, v_ptrs, num_layers, host_base, layout, host_idx,
                             host_idx_64, dev_idx, dev_idx_64, n_tokens, counters, flags, epoch),
-            _ptr("stream", stream),
-            _ptr("after_stream", after_stream),
-            _bounds(bounds),
-            ctypes.byref(job),
-        )
-        self.check("kvio_load_layers_signaled_job", status)
-        return int(job.value or 0)
+            _ptr("stream", stream), _ptr("after_stream", after_stream), _bounds(bounds))
 
     def wait_layer_signal(self, flag: int, epoch: int, stream: int | None) -> None:
         """``kvio_wait_layer_signal`` (optional): ``stream`` waits until the device uint32 at
