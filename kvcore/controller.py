@@ -268,10 +268,14 @@ class HiCacheController:
         caller = None
         if stream is not None:
             caller = current_stream(self.device)
-            # the index tensors were made on the caller's stream and are used on ours
-            for t in (h, d):
-                if not t.is_cpu:
-                    t.record_stream(stream)
+            # the index tensors were made on the caller's stream and are used on ours: their
+            # memory must not be reused before our work is done. A write's ack holds both
+            # until its completion was seen (record_stream would cost a microsecond here and
+            # an event at their free); a load's handle may be dropped at once.
+            if op is not Op.WRITE_BACK:
+                for t in (h, d):
+                    if not t.is_cpu:
+                        t.record_stream(stream)
         members = range(len(self.members))
         if op is not Op.LOAD_LAYER or len(self.members) == 1:
             # each member's submit orders its transfer after the caller's stream (after its

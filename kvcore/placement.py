@@ -15,6 +15,7 @@ waits.
 
 from __future__ import annotations
 
+import ctypes
 import threading
 import weakref
 from collections.abc import Callable
@@ -36,6 +37,9 @@ SLOT_ALIGN = 256
 #: staged tensors a ring remembers, to hand the same slot to another submit of the same
 #: values on the same stream (each layer of a load submitted alone) instead of copying again
 RECENT_STAGED = 8
+#: device views of ring slots a ring keeps (a slot's view made once: making one costs a
+#: microsecond per submit); beyond them, the kept views are dropped and made again
+SLOT_VIEWS = 1024
 
 
 def stream_key(stream: Any) -> Any:
@@ -122,6 +126,8 @@ class IndexRing:
         # segment, its generation, first element, device view) of the latest stagings
         self._recent: dict[tuple[int, torch.dtype, Any],
                            tuple[weakref.ref[torch.Tensor], int, int, int, torch.Tensor]] = {}
+        # (dtype, first element, length) -> the device view of that slot
+        self._views: dict[tuple[torch.dtype, int, int], torch.Tensor] = {}
         self._lock = threading.Lock()
 
     def stage(self, indices: torch.Tensor, dtype: torch.dtype,
@@ -191,8 +197,15 @@ class IndexRing:
         seg.unsealed += 1
         host, pinned, device_mem = self._typed.get(dtype) or self._typed_views(dtype)
         n, first = indices.numel(), start // itemsize
-        np.copyto(host[first:first + n], indices.numpy(), casting="unsafe")
-        dst = device_mem.as_strided((n,), (1,), first)
+        if indices.dtype is dtype and indices.is_contiguous():  # bytes, without NumPy
+            ctypes.memmove(pinned.data_ptr() + start, indices.data_ptr(), n * itemsize)
+        else:
+            np.copyto(host[first:first + n], indices.numpy(), casting="unsafe")
+        dst = self._views.get((dtype, first, n))
+        if dst is None:
+            if len(self._views) >= SLOT_VIEWS:
+                self._views.clear()
+            dst = self._views[(dtype, first, n)] = device_mem.as_strided((n,), (1,), first)
         try:
             if self.upload is not None:
                 self.upload(dst.data_ptr(), pinned.data_ptr() + start, n * itemsize, stream)

@@ -140,7 +140,7 @@ def per_layer(registry: Registry, pages: int, indices_on: str, calls: int,
 
 
 def loop(registry: Registry, op: str, pages: int, seconds: float) -> None:
-    """``op`` calls back to back for a sampling profiler (the same ack loaded again)."""
+    """``op`` calls back to back for a sampling profiler."""
     ctl = controller(registry, "mha", "page_first", pages)
     d = torch.arange(pages * P, device=DEVICE)
     end = time.perf_counter() + seconds
@@ -151,10 +151,11 @@ def loop(registry: Registry, op: str, pages: int, seconds: float) -> None:
             for ack in ctl.poll_acks():
                 ctl.free_host(ack.host_indices)
         return
-    ctl.write(d)
-    (ack,) = ctl.poll_acks()
-    while time.perf_counter() < end:
-        ctl.load(ack.host_indices, d)
+    while time.perf_counter() < end:  # each load of a new ack's indices, as measure()'s
+        ctl.write(d)
+        for ack in ctl.poll_acks():
+            ctl.load(ack.host_indices, d)
+            ctl.free_host(ack.host_indices)
 
 
 def main() -> None:

@@ -107,3 +107,28 @@ def test_a_window_reports_failed_pending_and_completed_by_write_id() -> None:
         q.drain(block=False)
     sent = rounds.sent[-1]
     assert sent[:5] == [2, -2, 2, 1, 1] and set(sent[5:]) == {1}
+
+
+def test_a_write_holds_its_index_tensors_until_its_completion_was_seen() -> None:
+    """The controller does not record a write's index tensors on its transfer stream: the
+    queue must keep them alive (their memory unreusable) until the write completed."""
+    import gc
+    import weakref
+
+    alloc = SlotAllocator(16 * PAGE, PAGE)
+    queue = WriteQueue(alloc, None, Health())
+    event = Event(done=False)
+    h = alloc.alloc(2 * PAGE)
+    d = torch.randperm(64)[:2 * PAGE]
+    refs = [weakref.ref(h), weakref.ref(d)]
+    queue.add(h, d, event, [], owns_host=True)
+    del h, d
+    gc.collect()
+    assert queue.drain(block=False) == []
+    assert all(r() is not None for r in refs)
+    event.done = True
+    (ack,) = queue.drain(block=False)
+    assert ack.host_indices is refs[0]() and ack.device_indices is refs[1]()
+    del ack
+    gc.collect()
+    assert all(r() is None for r in refs)

@@ -256,7 +256,8 @@ def _host_slots_outside(host: HostPool, named: torch.Tensor) -> torch.Tensor:
 def test_a_write_copies_what_the_callers_stream_wrote_before_the_call(
         kind: Kind, layout: Layout, caller: str, gen: torch.Generator, handover: str) -> None:
     """A staged write-back is issued by the library's thread later: it must still follow the
-    caller's stream up to the call, and a burst of writes must each land where its ack says."""
+    caller's stream up to the call, and a burst of writes must each land where its ack says,
+    though the caller dropped their index tensors and reuses memory of that size at once."""
     dev, host = _pools(kind, layout, 64, gen)
     ctl = HiCacheController(dev, host)
     stream = torch.cuda.default_stream() if caller == "default" else torch.cuda.Stream()
@@ -270,7 +271,12 @@ def test_a_write_copies_what_the_callers_stream_wrote_before_the_call(
         for t, new in zip(dev.all_buffers(), fresh, strict=True):
             t.copy_(new)
         acks = [ctl.write(_tokens(pages[i:i + 3].to(DEVICE), 64)) for i in range(0, 12, 3)]
+        # each write's index tensor is dropped by the caller at once (only its ack holds it):
+        # blocks of that size written on this stream now would be those tensors' memory if
+        # anything had freed it before the copies read it
+        junk = [torch.full((3 * 64,), 7, dtype=torch.int64, device=DEVICE) for _ in range(8)]
     done = ctl.wait_acks()
+    del junk
     assert [a.id for a in done] == [a.id for a in acks]
     # read each ack's host pages back into pages no write read from (the load is checked
     # against the reference elsewhere): they must hold the values written after the sleep
