@@ -12,6 +12,7 @@ submit path costs or saves before a GPU is at hand, not as a GPU figure.
 
     python scripts/probe_null_device.py                   # markdown table, median us
     python scripts/probe_null_device.py --per-layer       # SGLang's per-layer submits
+    python scripts/probe_null_device.py --count           # runtime and library calls per call
     python scripts/probe_null_device.py --loop write --pages 1 --seconds 8   # for py-spy:
     py-spy record --rate 4000 --format raw -o w.txt -- python scripts/probe_null_device.py \
         --loop write
@@ -23,6 +24,7 @@ Needs a C compiler (``cc``) and the kvio_cuda package (its capabilities only; no
 from __future__ import annotations
 
 import argparse
+import collections
 import shutil
 import statistics
 import subprocess
@@ -43,6 +45,7 @@ from kvcore.testing.stand_in_streams import NullStream, stand_in_streams
 HERE = Path(__file__).resolve().parent
 P, LAYERS = 64, 32
 DEVICE = torch.device("meta")
+ROWS = (("mha", "page_first"), ("mla", "page_first"), ("mha", "layer_first"))
 
 
 def build_library(folder: Path) -> Path:
@@ -55,13 +58,37 @@ def build_library(folder: Path) -> Path:
     return out
 
 
-def null_registry(library: Path, current: NullStream) -> Registry:
-    """A registry whose only backend runs kvio_cuda's variants against the null library."""
+class CountedLibrary:
+    """Stands in for a ctypes library: counts each ``kvio_*`` call in ``calls``, then makes
+    it."""
+
+    def __init__(self, lib: Any, calls: collections.Counter[str]) -> None:
+        self._lib, self._calls = lib, calls
+
+    def __getattr__(self, name: str) -> Any:
+        fn = getattr(self._lib, name)
+        if not name.startswith("kvio_"):
+            return fn
+        calls = self._calls
+
+        def call(*args: Any) -> Any:
+            calls[name] += 1
+            return fn(*args)
+        return call
+
+
+def null_registry(library: Path, current: NullStream,
+                  calls: collections.Counter[str] | None = None) -> Registry:
+    """A registry whose only backend runs kvio_cuda's variants against the null library
+    (``calls``: where its library calls are counted)."""
     import kvio_cuda
 
     class NullCuda(NativeBackend):
         def __init__(self, device: torch.device) -> None:
-            super().__init__(device, NativeLibrary(library, runtime="cuda", name="null_kvio"))
+            lib = NativeLibrary(library, runtime="cuda", name="null_kvio")
+            if calls is not None:
+                lib._lib = CountedLibrary(lib._lib, calls)
+            super().__init__(device, lib)
             self.current_raw_stream = lambda: current.native_handle  # type: ignore[method-assign]
 
         def raw_stream(self, stream: Any) -> int:
@@ -139,6 +166,37 @@ def per_layer(registry: Registry, pages: int, indices_on: str, calls: int,
     return 1e6 * statistics.median(loads)
 
 
+def count(registry: Registry, kind: str, layout: str, pages: int,
+          calls: collections.Counter[str]) -> list[dict[str, int]]:
+    """What one ``write()``, one ``load()`` of its ack's host indices and the ``wait_layer``
+    of every layer after it ask of the runtime (stand-in streams and events) and of the
+    library: the calls of the third of each (the first two warm rings and pools up)."""
+    ctl = controller(registry, kind, layout, pages)
+    d = torch.arange(pages * P, device=DEVICE)
+    d2 = torch.arange(pages * P, 2 * pages * P, device=DEVICE)
+    seen: list[dict[str, int]] = []
+    for _ in range(3):
+        seen.clear()
+        calls.clear()
+        ctl.write(d)
+        seen.append(dict(calls))
+        (ack,) = ctl.poll_acks()
+        calls.clear()
+        handle = ctl.load(ack.host_indices, d2)
+        seen.append(dict(calls))
+        calls.clear()
+        for layer in range(LAYERS):
+            handle.wait_layer(layer)
+        seen.append(dict(calls))
+        del handle  # (a job's release is the handle's, not the next load's)
+        ctl.free_host(ack.host_indices)
+    return seen
+
+
+def show(counted: dict[str, int]) -> str:
+    return ", ".join(f"{name} {n}" for name, n in sorted(counted.items())) or "none"
+
+
 def loop(registry: Registry, op: str, pages: int, seconds: float) -> None:
     """``op`` calls back to back for a sampling profiler."""
     ctl = controller(registry, "mha", "page_first", pages)
@@ -166,9 +224,22 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=8.0)
     ap.add_argument("--per-layer", action="store_true",
                     help="time per-layer submits as kvcore-sglang's hooks make them instead")
+    ap.add_argument("--count", action="store_true",
+                    help="count the runtime and library calls of each call instead of timing")
     args = ap.parse_args()
-    with tempfile.TemporaryDirectory() as tmp, stand_in_streams(DEVICE.type) as current:
-        registry = null_registry(build_library(Path(tmp)), current)
+    calls: collections.Counter[str] | None = collections.Counter() if args.count else None
+    with tempfile.TemporaryDirectory() as tmp, stand_in_streams(DEVICE.type,
+                                                                calls) as current:
+        registry = null_registry(build_library(Path(tmp)), current, calls)
+        if calls is not None:
+            print("| kind | layout | pages | write() | load() | wait_layer x32 |")
+            print("|---|---|---|---|---|---|")
+            for kind, layout in ROWS:
+                for pages in args.pages:
+                    cells = " | ".join(show(c) for c in count(registry, kind, layout, pages,
+                                                              calls))
+                    print(f"| {kind} | {layout} | {pages} | {cells} |", flush=True)
+            return
         if args.loop:
             loop(registry, args.loop, args.pages[0], args.seconds)
             return
@@ -182,8 +253,7 @@ def main() -> None:
             return
         print("| kind | layout | pages | write() us | load() us | wait_layer x32 us |")
         print("|---|---|---|---|---|---|")
-        for kind, layout in (("mha", "page_first"), ("mla", "page_first"),
-                             ("mha", "layer_first")):
+        for kind, layout in ROWS:
             for pages in args.pages:
                 w, ld, wt = measure(registry, kind, layout, pages, args.calls)
                 print(f"| {kind} | {layout} | {pages} | {w:.1f} | {ld:.1f} | {wt:.1f} |",

@@ -14,10 +14,15 @@ and ``device_type="cpu"``, real bytes move along that path and can be compared w
 ``device_type="meta"`` (scripts/null_kvio.c), the time left is kvcore's own
 (scripts/probe_null_device.py). Ordering bugs between streams cannot show here; everything
 else on the path runs.
+
+Given a ``calls`` counter, the stand-ins count what kvcore asks of the runtime through them
+(``event.record``, ``stream.wait_event``, ...): on a GPU each is a runtime call the caller
+pays for, so a count is what a submit costs beyond kvcore's own Python.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import itertools
 from collections.abc import Iterator
@@ -33,39 +38,57 @@ import kvcore.plan
 import kvcore.streams
 from kvcore.streams import EventPool
 
+#: what the stand-ins count, one name per runtime call a GPU's stream or event would make
+CALLS = ("stream.new", "stream.current", "stream.switch", "stream.wait_event",
+         "stream.synchronize", "event.new", "event.record", "event.query",
+         "event.synchronize", "event.wait", "tensor.record_stream")
+
 
 class NullStream:
-    """A stream that orders nothing; ``native_handle`` is what a library receives for it."""
+    """A stream that orders nothing; ``native_handle`` is what a library receives for it.
+    ``calls``: where its calls are counted (None: nowhere)."""
 
     _ids = itertools.count(1)
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device,
+                 calls: collections.Counter[str] | None = None) -> None:
         self.device = device
         self.device_index = device.index or 0
         self.stream_id = next(self._ids)
         self.native_handle = 0x1000 + self.stream_id
+        self.calls = calls
 
     def wait_event(self, event: Any) -> None:
-        pass
+        if self.calls is not None:
+            self.calls["stream.wait_event"] += 1
 
     def synchronize(self) -> None:
-        pass
+        if self.calls is not None:
+            self.calls["stream.synchronize"] += 1
 
 
 class NullEvent:
-    """An event that has always completed."""
+    """An event that has always completed. ``calls``: where its calls are counted."""
+
+    def __init__(self, calls: collections.Counter[str] | None = None) -> None:
+        self.calls = calls
 
     def record(self, stream: Any = None) -> None:
-        pass
+        if self.calls is not None:
+            self.calls["event.record"] += 1
 
     def query(self) -> bool:
+        if self.calls is not None:
+            self.calls["event.query"] += 1
         return True
 
     def synchronize(self) -> None:
-        pass
+        if self.calls is not None:
+            self.calls["event.synchronize"] += 1
 
     def wait(self, stream: Any = None) -> None:
-        pass
+        if self.calls is not None:
+            self.calls["event.wait"] += 1
 
 
 #: the modules that took kvcore.streams' helpers by name
@@ -74,11 +97,24 @@ _USERS = (kvcore.streams, kvcore.plan, kvcore.controller, kvcore.placement, kvco
 
 
 @contextlib.contextmanager
-def stand_in_streams(device_type: str) -> Iterator[NullStream]:
+def stand_in_streams(device_type: str,
+                     calls: collections.Counter[str] | None = None) -> Iterator[NullStream]:
     """Within the block, devices of ``device_type`` have (stand-in) streams; yields the
-    stream that counts as current. Everything is put back on exit."""
-    current = NullStream(torch.device(device_type))
-    events = EventPool(NullEvent)  # (as recorded_event keeps a device's events)
+    stream that counts as current. Everything is put back on exit. ``calls``: a counter
+    each stand-in call adds one to, under its name in :data:`CALLS`."""
+    current = NullStream(torch.device(device_type), calls)
+
+    def new_event(device: Any = None) -> NullEvent:
+        if calls is not None:
+            calls["event.new"] += 1
+        return NullEvent(calls)
+
+    def new_stream(device: torch.device) -> NullStream:
+        if calls is not None:
+            calls["stream.new"] += 1
+        return NullStream(device, calls)
+
+    events = EventPool(new_event)  # (as recorded_event keeps a device's events)
 
     known: dict[torch.device, bool] = {}
 
@@ -90,18 +126,31 @@ def stand_in_streams(device_type: str) -> Iterator[NullStream]:
 
     @contextlib.contextmanager
     def on_stream(stream: Any) -> Iterator[None]:
+        if calls is not None:
+            calls["stream.switch"] += 1
         yield
 
     # kvcore asks for streams and events of a pool's device only, so these need not look at
     # the device (and stay cheap: the null-library probe times what is around them)
     stand_ins: dict[str, Any] = {
         "has_streams": has_streams,
-        "new_stream": NullStream,
+        "new_stream": new_stream,
         "current_stream": lambda device: current,
-        "new_event": lambda device: NullEvent(),
+        "new_event": new_event,
         "recorded_event": lambda device, stream: events.recorded(stream),
         "on_stream": on_stream,
     }
+    record_stream: Any = lambda self, stream: None  # noqa: E731
+    if calls is not None:
+        def current_stream(device: torch.device) -> NullStream:
+            calls["stream.current"] += 1
+            return current
+
+        def counted_record_stream(self: torch.Tensor, stream: Any) -> None:
+            calls["tensor.record_stream"] += 1
+
+        stand_ins["current_stream"] = current_stream
+        record_stream = counted_record_stream
     saved: list[tuple[Any, str, Any]] = []
     inherited = object()  # marks an attribute the owner took from a base class
 
@@ -121,7 +170,7 @@ def stand_in_streams(device_type: str) -> Iterator[NullStream]:
         swap(kvcore.placement, "pinned_empty",
              lambda shape, dtype: torch.empty(shape, dtype=dtype))
         # (a tensor used on a stand-in stream has nothing to record)
-        swap(torch.Tensor, "record_stream", lambda self, stream: None)
+        swap(torch.Tensor, "record_stream", record_stream)
         yield current
     finally:
         for owner, name, value in reversed(saved):
@@ -131,4 +180,4 @@ def stand_in_streams(device_type: str) -> Iterator[NullStream]:
                 setattr(owner, name, value)
 
 
-__all__ = ["NullEvent", "NullStream", "stand_in_streams"]
+__all__ = ["CALLS", "NullEvent", "NullStream", "stand_in_streams"]

@@ -47,3 +47,54 @@ def test_the_per_layer_submits_of_sglangs_hooks_run_with_indices_on_either_side(
     rows = [[c.strip() for c in line.split("|")[1:-1]] for line in out.stdout.splitlines()
             if line.startswith("| 1 |")]
     assert [r[1] for r in rows] == ["cpu", "device"] and all(float(r[2]) > 0 for r in rows)
+
+
+def _counts(**modes: str) -> dict[tuple[str, ...], list[str]]:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("KVCORE_ASYNC_WRITE_BACK", "KVCORE_SIGNALED_LOAD_JOB")}
+    out = subprocess.run([sys.executable, str(PROBE), "--count", "--pages", "1", "16"],
+                         env={**env, **modes}, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return {tuple(c.strip() for c in line.split("|")[1:4]): [
+        c.strip() for c in line.split("|")[4:-1]] for line in out.stdout.splitlines()
+        if line.startswith("| m")}
+
+
+#: the null library says 4 layers of a signaled load land together: 32 layers, 8 waits
+WAITS = "kvio_wait_layer_signal 8"
+
+
+def test_what_each_controller_call_asks_of_the_runtime() -> None:
+    """The GPU path's runtime calls per controller call, counted through the stand-ins and
+    the null library (each one costs the caller 0.4-4 us on an H200 host): a change that adds
+    one to the submit path, or makes a new event where the pool has a free one, fails here.
+    Default modes (KVCORE_ASYNC_WRITE_BACK and KVCORE_SIGNALED_LOAD_JOB unset)."""
+    rows = _counts()
+    # the caller's stream looked up once; its point fenced (a record, a wait); one library
+    # call; one completion event recorded (a load's device indices are also recorded on the
+    # load stream, its CPU host indices uploaded through the ring: one copy)
+    fenced = "event.record 2, {}stream.current 1, stream.wait_event 1{}"
+    load = fenced.format("kvio_copy_to_device 1, kvio_load_layers_signaled 1, ",
+                         ", tensor.record_stream 1")
+    assert rows[("mha", "page_first", "1")] == [
+        fenced.format("kvio_write_back_staged 1, ", ""), load, WAITS]
+    # 128 MiB: handed to the library's thread, which records the caller's point itself
+    assert rows[("mha", "page_first", "16")][0] == (
+        "kvio_write_back_staged_async 1, stream.current 1")
+    assert rows[("mha", "layer_first", "1")][0] == fenced.format(
+        "kvio_copy_to_device 1, kvio_transfer_direct 1, ", "")
+    assert all(r[1] == load and r[2] == WAITS for r in rows.values())
+
+
+def test_the_job_forms_leave_the_fence_and_the_completion_event_to_the_library() -> None:
+    """KVCORE_ASYNC_WRITE_BACK=inline and KVCORE_SIGNALED_LOAD_JOB=1: one library call
+    follows the caller's stream and records the completion itself."""
+    rows = _counts(KVCORE_ASYNC_WRITE_BACK="inline", KVCORE_SIGNALED_LOAD_JOB="1")
+    # (the index ring held the previous load's job as its slot's last user until this load
+    # sealed the slot again: that job is given back here, a call without the runtime)
+    assert rows[("mha", "page_first", "1")] == [
+        "kvio_write_back_staged_inline 1, stream.current 1",
+        "kvio_copy_to_device 1, kvio_job_release 1, kvio_load_layers_signaled_job 1, "
+        "stream.current 1, tensor.record_stream 1", WAITS]
+    assert rows[("mha", "page_first", "16")][0] == (
+        "kvio_write_back_staged_async 1, stream.current 1")
