@@ -37,9 +37,6 @@ SLOT_ALIGN = 256
 #: staged tensors a ring remembers, to hand the same slot to another submit of the same
 #: values on the same stream (each layer of a load submitted alone) instead of copying again
 RECENT_STAGED = 8
-#: device views of ring slots a ring keeps (a slot's view made once: making one costs a
-#: microsecond per submit); beyond them, the kept views are dropped and made again
-SLOT_VIEWS = 1024
 
 
 def stream_key(stream: Any) -> Any:
@@ -126,8 +123,10 @@ class IndexRing:
         # segment, its generation, first element, device view) of the latest stagings
         self._recent: dict[tuple[int, torch.dtype, Any],
                            tuple[weakref.ref[torch.Tensor], int, int, int, torch.Tensor]] = {}
-        # (dtype, first element, length) -> the device view of that slot
-        self._views: dict[tuple[torch.dtype, int, int], torch.Tensor] = {}
+        # (dtype, first element) -> the device view last handed out from there: made once
+        # per slot start and length (a view costs a microsecond; at most one is kept per
+        # start, under a kilobyte each)
+        self._views: dict[tuple[torch.dtype, int], torch.Tensor] = {}
         self._lock = threading.Lock()
 
     def stage(self, indices: torch.Tensor, dtype: torch.dtype,
@@ -201,11 +200,9 @@ class IndexRing:
             ctypes.memmove(pinned.data_ptr() + start, indices.data_ptr(), n * itemsize)
         else:
             np.copyto(host[first:first + n], indices.numpy(), casting="unsafe")
-        dst = self._views.get((dtype, first, n))
-        if dst is None:
-            if len(self._views) >= SLOT_VIEWS:
-                self._views.clear()
-            dst = self._views[(dtype, first, n)] = device_mem.as_strided((n,), (1,), first)
+        dst = self._views.get((dtype, first))
+        if dst is None or dst.numel() != n:
+            dst = self._views[(dtype, first)] = device_mem.as_strided((n,), (1,), first)
         try:
             if self.upload is not None:
                 self.upload(dst.data_ptr(), pinned.data_ptr() + start, n * itemsize, stream)
