@@ -124,7 +124,7 @@ def runner_for(backend: TransferBackend, job: TransferJob) -> Runner:
     """
     prepare = getattr(backend, "prepare", None)
     if prepare is not None:
-        return prepare(job)  # type: ignore[no-any-return]
+        return prepare(job)
     return job_runner(backend.run, job)
 
 

@@ -132,7 +132,7 @@ def op_support(op: Op, kinds: object, layouts: object, host: Residency, device: 
     """Shorthand for declaring an :class:`OpSupport` (kinds/layouts: one value or iterable)."""
 
     def as_set(v: object, cls: type) -> frozenset:
-        return frozenset([v]) if isinstance(v, cls) else frozenset(v)  # type: ignore[arg-type]
+        return frozenset([v]) if isinstance(v, cls) else frozenset(v)  # type: ignore[call-overload]
 
     return OpSupport(op=op, kinds=as_set(kinds, Kind), layouts=as_set(layouts, Layout),
                      host_index=IndexSpec(host), device_index=IndexSpec(device),

@@ -144,7 +144,7 @@ class HiCacheController:
 
     def plan(self, op: Op | str, member: int = 0) -> TransferPlan:
         """The plan that runs ``op`` for pool-group member ``member``."""
-        return self.plans[(member, parse_enum(Op, op, "op"))]  # type: ignore[index]
+        return self.plans[(member, parse_enum(Op, op, "op"))]
 
     def plan_facts(self) -> list[dict[str, object]]:
         """Every member's plans as plain data (what tensor-parallel ranks must agree on)."""
@@ -184,11 +184,12 @@ class HiCacheController:
                 raise InvalidIndices("device_indices", f"a length that is a multiple of "
                                      f"page_size {page_size} (host slots are allocated in "
                                      "whole pages)", f"{d.numel()} entries", "write")
-            if not owns:
-                self.bound[(0, Op.WRITE_BACK)].check(host_indices, d)
-            h, values = (self.allocator.alloc_values(d.numel()) if owns
-                         else (host_indices, None))
-            if owns:
+            values = None
+            if host_indices is not None:
+                h = host_indices
+                self.bound[(0, Op.WRITE_BACK)].check(h, d)
+            else:
+                h, values = self.allocator.alloc_values(d.numel())
                 try:
                     self.bound[(0, Op.WRITE_BACK)].check(h, d, host_trusted=True)
                 except BaseException:
@@ -202,7 +203,7 @@ class HiCacheController:
                     drain_stream(self.write_stream)
                     self.allocator.free(h)
                 raise self._failure("write-back", exc) from exc
-            if owns:
+            if values is not None:
                 self._issued.add(h, values)
             return self._writes.add(h, d, subs[-1].event, subs, owns)
 
@@ -210,7 +211,7 @@ class HiCacheController:
                        hits: int = 0) -> WriteAck | None:
         """Apply the write policy to a radix-cache event; queue a write-back if it says so."""
         ev = parse_enum(CacheEvent, event, "event")
-        if should_back_up(self.write_policy, ev, hits, self.selective_threshold):  # type: ignore[arg-type]
+        if should_back_up(self.write_policy, ev, hits, self.selective_threshold):
             return self.write(device_indices)
         return None
 

@@ -281,7 +281,8 @@ class _Exchange:
         scopes = _scopes()
         if scopes:
             scopes[-1] = True
-        self.store.set(self.key(self.rank), pickle.dumps(entry))
+        # (Store.set takes bytes as well; torch's stub names str only)
+        self.store.set(self.key(self.rank), pickle.dumps(entry))  # type: ignore[arg-type]
 
     def collect(self) -> dict[int, dict[str, Any]]:
         """Every rank's entry; raise RanksFailed once a peer failed or the deadline passed."""

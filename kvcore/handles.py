@@ -56,7 +56,9 @@ class LoadHandle:
         self._checked = False
         waiters = [sub.current_waiter() for sub in submissions] \
             if has_streams(device) else []
-        self._waiters = waiters if waiters and all(w is not None for w in waiters) else None
+        ready = [w for w in waiters if w is not None]
+        self._waiters: list[Callable[[int], None]] | None = (
+            ready if ready and len(ready) == len(waiters) else None)
 
     @property
     def num_layers(self) -> int:

@@ -51,6 +51,7 @@ from __future__ import annotations
 import enum
 import itertools
 from collections.abc import Iterable, Sequence
+from typing import TypeVar
 
 import attrs
 import torch
@@ -167,20 +168,23 @@ def spec(layout: Layout | str) -> LayoutSpec:
     """The record of ``layout``; InvalidArgument for a name that is not a layout."""
     lay = parse_enum(Layout, layout, "layout")
     try:
-        return SPECS[lay]  # type: ignore[index]
+        return SPECS[lay]
     except KeyError:
         raise InvalidArgument("layout", "a layout with a record in kvcore.layout.SPECS",
                               repr(lay)) from None
 
 
-def parse_enum(cls: type[enum.Enum], value: object, argument: str) -> enum.Enum:
+E = TypeVar("E", bound=enum.Enum)
+
+
+def parse_enum(cls: type[E], value: object, argument: str) -> E:
     """Return ``cls(value)`` or raise InvalidArgument listing the allowed values."""
     if isinstance(value, cls):
         return value
     try:
         return cls(value)
     except ValueError:
-        allowed = ", ".join(m.value for m in cls)  # type: ignore[attr-defined]
+        allowed = ", ".join(str(m.value) for m in cls)
         raise InvalidArgument(argument, f"one of {allowed}", repr(value)) from None
 
 
@@ -482,7 +486,7 @@ def _runs(part: torch.Tensor, itemsize: int) -> list[tuple[int, int]]:
     run = 1  # items of the innermost run: dims that tile it exactly merge into it
     while dims and dims[0][0] == run:
         run *= dims.pop(0)[1]
-    base = part.storage_offset()
+    base = int(part.storage_offset())
     offsets = sorted(base + sum(i * st for i, (st, _) in zip(idx, dims, strict=True))
                      for idx in itertools.product(*(range(n) for _, n in dims)))
     merged: list[tuple[int, int]] = []

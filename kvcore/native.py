@@ -303,6 +303,7 @@ class NativeBackend:
                 return run_direct(h, d, layer, stream, chained)
             if not signals:
                 return by_layer(h, d, layer, stream, chained)  # one launch per layer
+            assert signaled is not None  # (signals says so)
             s = raw(stream)
             done = issue(host_tokens, device_tokens, op)
             n = h.numel()
@@ -321,6 +322,7 @@ class NativeBackend:
                     signaled(*args, buf.counters or None, buf.flags or None, epoch, s or None,
                              done.bounds)
                 else:
+                    assert as_job is not None  # (else `after` was fenced above)
                     out.value = None
                     as_job(*args, buf.counters or None, buf.flags or None, epoch, s or None,
                            raw(after) or None, done.bounds, out_ref)
@@ -349,7 +351,7 @@ class NativeBackend:
         def run_dma(h: torch.Tensor, d: torch.Tensor, layer: int | None, stream: Any,
                     chained: bool) -> None:
             if layer is None:
-                return every_layer(h, d, layer, stream, chained)  # type: ignore[no-any-return]
+                return every_layer(h, d, layer, stream, chained)
             bounds = issue(host_tokens, device_tokens, op).bounds
             dma(k_dst[layer], v_dst[layer], layer, host_base, layout, h.data_ptr() or None,
                 d.data_ptr() or None, h.numel(), batched, raw(stream) or None, bounds)
@@ -405,14 +407,14 @@ class NativeBackend:
                              stream: Any, chained: bool,
                              after: Any = None) -> NativeJob | BoundsCompletion:
             if after is None:
-                return run_staged(h, d, layer, stream, chained)  # type: ignore[no-any-return]
+                return run_staged(h, d, layer, stream, chained)
             if h.numel() >= handed_from:
                 call, name = handed, "kvio_write_back_staged_async"
             elif inline_call is not None:
                 call, name = inline_call, "kvio_write_back_staged_inline"
             else:  # small: issued here, after the caller's stream
                 fence.order(stream, after)
-                return run_staged(h, d, layer, stream, chained)  # type: ignore[no-any-return]
+                return run_staged(h, d, layer, stream, chained)
             s = raw(stream)
             done = issue(host_tokens, device_tokens, op)
             staging = staging_of(s)
@@ -733,7 +735,7 @@ def native_ops(staging_bytes: int = DEFAULT_STAGING_BYTES,
     for kind in kinds:
         lays = set(contiguous_page_layouts(kind)) | (set(Layout) - set(layouts_for(kind)))
         contiguous.setdefault(frozenset(lays), []).append(kind)
-    common = {"element_alignment": element_alignment}
+    common: dict[str, Any] = {"element_alignment": element_alignment}
     on_cpu = IndexSpec(Residency.HOST, (torch.int64,))
     dma = (OpSupport(op=Op.LOAD_LAYER, kinds=frozenset(kinds),
                      layouts=frozenset(dma_load_layouts), host_index=on_cpu,
@@ -747,10 +749,10 @@ def native_ops(staging_bytes: int = DEFAULT_STAGING_BYTES,
     staged_ops = [OpSupport(op=op, kinds=frozenset(ks), layouts=lays, **staged)
                   for op in (Op.WRITE_BACK, Op.LOAD_ALL) for lays, ks in contiguous.items()]
     if whole_page_staged:
-        staged_ops += [OpSupport(op=op, kinds=frozenset({kind}), layouts=frozenset(lays),
+        staged_ops += [OpSupport(op=op, kinds=frozenset({kind}), layouts=frozenset(whole),
                                  whole_pages=True, **staged)
                        for op in (Op.WRITE_BACK, Op.LOAD_ALL) for kind in kinds
-                       if (lays := contiguous_page_layouts(kind, whole=True))]
+                       if (whole := contiguous_page_layouts(kind, whole=True))]
     load_staged = tuple(s for s in staged_ops if s.op is Op.LOAD_ALL) if staged_load else ()
     return (
         *dma,

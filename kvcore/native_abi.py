@@ -412,6 +412,8 @@ class NativeLibrary:
     def _bind(self) -> None:
         self.optional: frozenset[str] = frozenset(
             f for f in OPTIONAL_PROTOTYPES if hasattr(self._lib, f))
+        # a CDLL's own foreign-function class (a stand-in's Python callables take no prototype)
+        foreign: Any = getattr(self._lib, "_FuncPtr", None)
         for function, (restype, argtypes) in (*PROTOTYPES.items(),
                                               *OPTIONAL_PROTOTYPES.items()):
             try:
@@ -421,7 +423,7 @@ class NativeLibrary:
                     continue
                 raise BuildError(f"{self._where()} does not export {function} (a stale or "
                                  f"foreign library; rebuild the {self.name} library)") from None
-            if isinstance(fn, ctypes._CFuncPtr):
+            if foreign is not None and isinstance(fn, foreign):
                 fn.restype = restype
                 fn.argtypes = list(argtypes)
 

@@ -174,7 +174,7 @@ class IndexRing:
         recent.pop(key, None)
         if len(recent) >= RECENT_STAGED:
             recent.pop(next(iter(recent)))
-        first = dst.storage_offset()
+        first = int(dst.storage_offset())
         recent[key] = (weakref.ref(indices), segment, self._generations[segment], first, dst)
 
     def _stage(self, indices: torch.Tensor, dtype: torch.dtype, stream: Any,

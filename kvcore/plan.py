@@ -420,6 +420,7 @@ class BoundPlan:
     def _enqueue(self, support: OpSupport, hp: torch.Tensor, dp: torch.Tensor,
                  layer: int | None, s: Any, chained: bool, after: Any = None) -> Submission:
         run = self._runners[id(support)]
+        follow: Callable[..., Any] = run  # (a runner that `follows` takes `after` too)
         # a runner that `follows` orders its transfer after `after` itself (write-back and
         # all-layer jobs, and a per-layer load of every layer where its layers signal)
         if after is not None and not (getattr(run, "follows", False) and (
@@ -428,7 +429,7 @@ class BoundPlan:
             after = None
         if self.op is not Op.LOAD_LAYER:
             done = (run(hp, dp, None, s, False) if after is None
-                    else run(hp, dp, None, s, False, after))
+                    else follow(hp, dp, None, s, False, after))
             # a transfer another thread issues is its own event (one recorded on the stream
             # now would come before its work)
             event = done if _issued_later(done) else recorded_event(self.device, s)
@@ -442,7 +443,7 @@ class BoundPlan:
                               [] if done is None else [(layer, done)])
         if support.layer_signals:
             signals = (run(hp, dp, None, s, False) if after is None
-                       else run(hp, dp, None, s, False, after))
+                       else follow(hp, dp, None, s, False, after))
             if not (hasattr(signals, "wait_layer") and hasattr(signals, "check")):
                 raise ContractViolation(
                     f"{self.context}: variant {support.variant!r} declares layer_signals, "
@@ -455,7 +456,7 @@ class BoundPlan:
             return Submission({}, event, [(None, signals)], one=signals,
                               layers=self.num_layers)
         waits: dict[int, Any] = {}
-        completions = []
+        completions: list[tuple[int | None, Any]] = []
         for n in range(self.num_layers):
             done = run(hp, dp, n, s, n > 0)
             if done is not None:

@@ -84,7 +84,7 @@ class DevicePool:
     def wrap(cls, kind: Kind | str, k_buffers: Sequence[torch.Tensor],
              v_buffers: Sequence[torch.Tensor] | None = None, page_size: int = 1) -> DevicePool:
         """Adopt existing per-layer tensors (no copy)."""
-        return cls(parse_enum(Kind, kind, "kind"), k_buffers, v_buffers,  # type: ignore[arg-type]
+        return cls(parse_enum(Kind, kind, "kind"), k_buffers, v_buffers,
                    page_size)
 
     @classmethod
@@ -97,7 +97,7 @@ class DevicePool:
         ks = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         vs = ([torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
               if k is Kind.MHA else None)
-        return cls(k, ks, vs, page_size)  # type: ignore[arg-type]
+        return cls(k, ks, vs, page_size)
 
     @property
     def num_layers(self) -> int:
@@ -271,8 +271,8 @@ class HostPool:
         """Adopt an existing host buffer (its size is read from its shape)."""
         k = parse_enum(Kind, kind, "kind")
         lay = parse_enum(Layout, layout, "layout")
-        size = size_from_shape(tuple(buffer.shape), k, lay, page_size)  # type: ignore[arg-type]
-        g = Geometry(k, lay, num_layers, size, head_num, head_dim, page_size,  # type: ignore[arg-type]
+        size = size_from_shape(tuple(buffer.shape), k, lay, page_size)
+        g = Geometry(k, lay, num_layers, size, head_num, head_dim, page_size,
                      head_group_num)
         if memory is None:
             memory = HostMemory.PINNED if buffer.is_pinned() else HostMemory.PLAIN

@@ -463,7 +463,7 @@ def allocate_host_pool(kind: Kind | str, layout: Layout | str, num_layers: int, 
     the platform has it, plain on the CPU. The allocator is the backend's choice."""
     k = parse_enum(Kind, kind, "kind")
     lay = parse_enum(Layout, layout, "layout")
-    g = Geometry(k, lay, num_layers, size, head_num, head_dim, page_size,  # type: ignore[arg-type]
+    g = Geometry(k, lay, num_layers, size, head_num, head_dim, page_size,
                  head_group_num)
     byte_strides(g, dtype.itemsize)  # refuses what this dtype cannot lay out, before allocating
     req = make_request(Op.WRITE_BACK, k, lay, dtype, head_num * head_dim * dtype.itemsize,
@@ -477,9 +477,9 @@ def make_request(op: Op | str, kind: Kind | str, layout: Layout | str, dtype: to
                  element_bytes: int, device: torch.device | str) -> TransferRequest:
     """Build a request from loose values, raising InvalidArgument / UnsupportedCombination."""
     req = TransferRequest(
-        op=parse_enum(Op, op, "op"),  # type: ignore[arg-type]
-        kind=parse_enum(Kind, kind, "kind"),  # type: ignore[arg-type]
-        layout=parse_enum(Layout, layout, "layout"),  # type: ignore[arg-type]
+        op=parse_enum(Op, op, "op"),
+        kind=parse_enum(Kind, kind, "kind"),
+        layout=parse_enum(Layout, layout, "layout"),
         dtype=dtype, element_bytes=element_bytes, device=resolve_device(device))
     if element_bytes <= 0:
         raise InvalidArgument("element_bytes", "a positive int", str(element_bytes))

@@ -142,8 +142,14 @@ class CheckedTensors:
         key = id(t)
         # a bounded memory lets its dead entries age out; an unbounded one drops them as
         # their tensors go
-        ref = (weakref.ref(t) if self._capacity is not None
-               else weakref.ref(t, lambda _, k=key: self._forget(k)))
+        ref: weakref.ref[torch.Tensor]
+        if self._capacity is not None:
+            ref = weakref.ref(t)
+        else:
+            def forget(_: object, k: int = key) -> None:
+                self._forget(k)
+            ref = weakref.ref(t, forget)
+        entry: tuple[weakref.ref[torch.Tensor], torch.dtype, bytes, np.ndarray | None, int]
         if values is None:
             entry = (ref, t.dtype, t.numpy().tobytes(), None, 0)
         else:
@@ -157,16 +163,18 @@ class CheckedTensors:
 
     def __contains__(self, t: object) -> bool:
         entry = self._entries.get(id(t))
-        if (entry is None or entry[0]() is not t
-                or t.dtype is not entry[1] or not t.is_cpu):  # type: ignore[attr-defined]
+        if entry is None:
+            return False
+        tensor = entry[0]()
+        if tensor is None or tensor is not t or tensor.dtype is not entry[1] or not tensor.is_cpu:
             return False
         values = entry[3]
         # still the memory of the array it was made from (which the entry keeps alive, so no
         # other buffer can sit at that address), laid out as then: read the array
-        if (values is not None and t.data_ptr() == entry[4]  # type: ignore[attr-defined]
-                and t.is_contiguous() and t.numel() == values.size):  # type: ignore[attr-defined]
+        if (values is not None and tensor.data_ptr() == entry[4]
+                and tensor.is_contiguous() and tensor.numel() == values.size):
             return values.tobytes() == entry[2]
-        return t.numpy().tobytes() == entry[2]  # type: ignore[attr-defined]
+        return tensor.numpy().tobytes() == entry[2]
 
     def __len__(self) -> int:
         return len(self._entries)

@@ -89,6 +89,7 @@ def verify_plans(pairs: Sequence[tuple[DevicePool, HostPool]],
         d = torch.arange(g.page_size, dtype=torch.int64, device=m_device.device).flip(0)
         for op, plan in plans.items():
             ref = registry.resolve(plan.request, REFERENCE)
+            outcome: tuple[DevicePool | torch.Tensor, DevicePool | torch.Tensor]
             if op is Op.WRITE_BACK:
                 subs = [plan.transfer(dev, host, h, d), ref.transfer(dev, ref_host, h, d)]
                 outcome = (host.buffer, ref_host.buffer)

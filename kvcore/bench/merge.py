@@ -116,7 +116,8 @@ def merge(results: Sequence[BenchResult]) -> BenchResult:
     by_key: dict[tuple[object, ...], Row] = {}
     for result in results:
         for row in result.rows:
-            by_key[(row.backend, *row.case.key())] = row
+            key = (row.backend, *row.case.key())  # (a starred subscript needs 3.11)
+            by_key[key] = row
     backends: dict[str, dict[str, Any]] = {}
     for result in results:
         backends.update({b["name"]: b for b in result.backends})

@@ -176,7 +176,7 @@ def _run(case: QueueCase, backend: str, registry: Registry, device: torch.device
                 c0 = time.perf_counter()
                 ctl.write(dev_sets[i % len(dev_sets)])
                 cpu.append(time.perf_counter() - c0)
-            acks = []
+            acks: list[Any] = []
             while len(acks) < case.calls:
                 acks += ctl.poll_acks()
             elapsed = time.perf_counter() - t0

@@ -8,6 +8,7 @@ counts all layers, because it is timed as the sum of one call per layer).
 from __future__ import annotations
 
 import itertools
+from typing import Any
 
 import attrs
 import torch
@@ -194,7 +195,7 @@ def override(sweep: Sweep, **axes: list[str] | None) -> Sweep:
         "layouts": lambda v: parse_enum(Layout, v, "layout"),
         "dtypes": parse_dtype,
     }
-    changes = {}
+    changes: dict[str, Any] = {}
     for axis, values in axes.items():
         if not values:
             continue

@@ -146,7 +146,8 @@ def _explain(args: argparse.Namespace, registry: Registry) -> int:
         return 0 if res.chosen else 1
     print(f"request: {req}")
     print(f"chosen:  {result['chosen'] or 'none'}"
-          + (f" (variants: {', '.join(result['variants'])})" if res.chosen else ""))
+          + (f" (variants: {', '.join(v.variant for v in res.variants)})" if res.chosen
+             else ""))
     for name, why in res.reasons.items():
         print(f"  {name}: {why}")
     return 0 if res.chosen else 1

@@ -150,7 +150,7 @@ def _queue_cases(args: argparse.Namespace, device: torch.device) -> list[queue.Q
                     for v in _split(args.layout) or ("page_first",))
     budget = (1 << 30) if on_gpu else (8 << 20)
     layers = _split(args.num_layers)
-    return queue.queue_cases(pages, kinds, layouts, budget,  # type: ignore[arg-type]
+    return queue.queue_cases(pages, kinds, layouts, budget,
                              num_layers=int(layers[0]) if layers else 32 if on_gpu else 8)
 
 

@@ -76,7 +76,7 @@ def write_skeleton(name: str, target: Path) -> list[Path]:
     except OSError as exc:
         raise InvalidArgument("DIR", "a directory you can create and write",
                               f"{target} ({exc.strerror or exc})") from exc
-    root = resources.files("kvcore").joinpath("templates", TEMPLATE)
+    root = resources.files("kvcore").joinpath("templates").joinpath(TEMPLATE)
     written = []
     for rel, entry in _files(root):
         path = target / rel.replace("package/", values["module"] + "/", 1)

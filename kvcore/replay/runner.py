@@ -301,4 +301,4 @@ def run_replay(config: ReplayConfig, registry: Registry | None = None,
 
 
 def parse_policy(value: str) -> WritePolicy:
-    return parse_enum(WritePolicy, value, "write_policy")  # type: ignore[return-value]
+    return parse_enum(WritePolicy, value, "write_policy")

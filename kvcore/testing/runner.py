@@ -57,7 +57,7 @@ class ResultCollector:
         self.skip_reasons: collections.Counter[str] = collections.Counter()
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
-        row = dict(report.user_properties).get("kvio_row", "other")
+        row = str(dict(report.user_properties).get("kvio_row", "other"))
         if report.failed:
             self.counts[row]["failed"] += 1
             self.failures.append(Failure(report.nodeid, row, report.longreprtext))

@@ -116,7 +116,9 @@ def route_for(host: Any, kind: Kind) -> Routed | Decline:
         if entry is not None and entry[0]() is host:
             return entry[1]
         found = _decide(host, kind)
-        ref = weakref.ref(host, lambda _ref, key=key: _forget(key, _ref))
+        def forget(ref: weakref.ref[Any], key: int = key) -> None:
+            _forget(key, ref)
+        ref = weakref.ref(host, forget)
         _cache[key] = (ref, found)
         if isinstance(found, Routed):
             _log_once(logging.INFO, f"kvcore-sglang: {type(host).__name__} routed through "

@@ -186,8 +186,8 @@ def find_nvcc() -> Nvcc:
     looked: list[str] = []
     for where, path in _candidates():
         why = missing_executable(where, path)
-        if why is not None:
-            looked.append(why)
+        if why is not None or path is None:  # (a None path always has a why)
+            looked.append(why or where)
             continue
         version = nvcc_at(path).version
         if version[:2] < MIN_NVCC:

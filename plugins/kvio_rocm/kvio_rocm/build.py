@@ -197,8 +197,8 @@ def find_toolchain(env: Mapping[str, str] | None = None) -> RocmToolchain:
     looked: list[str] = []
     for where, kind, path in _candidates(env):
         why = missing_executable(where, path)
-        if why is not None:
-            looked.append(why)
+        if why is not None or path is None:  # (a None path always has a why)
+            looked.append(why or where)
             continue
         root = _rocm_root_of(path, env)
         if root is None:
