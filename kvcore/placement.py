@@ -196,14 +196,15 @@ class IndexRing:
         seg.unsealed += 1
         host, pinned, device_mem = self._typed.get(dtype) or self._typed_views(dtype)
         n, first = indices.numel(), start // itemsize
-        if indices.dtype is dtype and indices.is_contiguous():  # bytes, without NumPy
-            ctypes.memmove(pinned.data_ptr() + start, indices.data_ptr(), n * itemsize)
-        else:
-            np.copyto(host[first:first + n], indices.numpy(), casting="unsafe")
         dst = self._views.get((dtype, first))
         if dst is None or dst.numel() != n:
             dst = self._views[(dtype, first)] = device_mem.as_strided((n,), (1,), first)
         try:
+            # bytes, without NumPy, where they are plain host memory laid out as the slot's
+            if indices.dtype is dtype and indices.is_cpu and indices.is_contiguous():
+                ctypes.memmove(pinned.data_ptr() + start, indices.data_ptr(), n * itemsize)
+            else:
+                np.copyto(host[first:first + n], indices.numpy(), casting="unsafe")
             if self.upload is not None:
                 self.upload(dst.data_ptr(), pinned.data_ptr() + start, n * itemsize, stream)
             else:

@@ -205,3 +205,28 @@ def test_a_failed_upload_does_not_hold_its_segment() -> None:
         assert staged is not None, f"stage {n}: the ring is stuck"
         assert torch.equal(staged[0], one_slot + n)
         ring.seal([staged[1]], done, "s")
+
+
+def test_indices_it_cannot_read_fail_the_stage_without_holding_its_segment() -> None:
+    """Memory the host cannot read as bytes (here a meta tensor; a device tensor alike) is
+    never copied byte for byte: the stage raises, and the slot it took is given back."""
+    ring = _ring(segments=2, segment_bytes=2 * SLOT_ALIGN)
+    one_slot = torch.arange(SLOT_ALIGN // 8)
+    with pytest.raises((RuntimeError, TypeError)):
+        ring.stage(torch.arange(SLOT_ALIGN // 8, device="meta"), torch.int64, "s")
+    done = Event()
+    done.done = True
+    for n in range(6):
+        staged = ring.stage(one_slot + n, torch.int64, "s")
+        assert staged is not None, f"stage {n}: the ring is stuck"
+        ring.seal([staged[1]], done, "s")
+
+
+def test_strided_and_other_dtype_indices_arrive_as_their_values() -> None:
+    ring = _ring(segments=2, segment_bytes=16 * SLOT_ALIGN)
+    gen = torch.Generator().manual_seed(11)
+    base = torch.randint(0, 1 << 30, (64,), generator=gen)
+    for src, dtype in [(base[::2], torch.int64), (base[::3], torch.int32),
+                       (base.to(torch.int32), torch.int64), (base[5:37], torch.int64)]:
+        out, _ = ring.stage(src, dtype)  # type: ignore[misc]
+        assert out.dtype == dtype and torch.equal(out, src.to(dtype))
