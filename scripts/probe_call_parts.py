@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from kvcore import DevicePool, HiCacheController
+from kvcore.layout import Op
 from kvcore.registry import allocate_host_pool
 
 RESULTS: dict[str, float] = {}
@@ -153,7 +154,6 @@ def main() -> None:
                                   torch.bfloat16, P, dev_name)
         ctl = HiCacheController(dev, host)
         d = torch.arange(n, device=dev_name)
-        from kvcore.layout import Op
         wb = ctl.bound[(0, Op.WRITE_BACK)]
         ll = ctl.bound[(0, Op.LOAD_LAYER)]
         h0 = ctl.allocator.alloc(n)
@@ -216,6 +216,10 @@ def main() -> None:
                               dev_name)
     ctl = HiCacheController(dev, host)
     d = torch.arange(n, device=dev_name)
+    wb = ctl.bound[(0, Op.WRITE_BACK)]
+    h0 = ctl.allocator.alloc(n)
+    raw_calls(wb.backend.lib, "[mla 1p]", lambda: wb.submit(h0, d, stream=s))
+    ctl.allocator.free(h0)
     idle_calls(ctl, d, "[mla 1p]", 200)
     acks = []
     timed("[mla 1p] ctl.write(d)", lambda: acks.append(ctl.write(d)), n=200)
@@ -230,7 +234,6 @@ def main() -> None:
     host = allocate_host_pool("mha", "layer_first", L, 2 * n, 8, 128, torch.bfloat16, P,
                               dev_name)
     ctl = HiCacheController(dev, host)
-    from kvcore.layout import Op
     ll = ctl.bound[(0, Op.LOAD_LAYER)]
     print("layer_first per-layer load variant:", ll.support.variant)
     h = ctl.allocator.alloc(n)
