@@ -10,7 +10,11 @@ loads each followed by ``wait_layer`` of every layer on the caller's stream, and
   to the last completion) over one contiguous copy of one call's bytes between the same
   memories, measured in the same run (the bench's ceiling);
 - ``cpu_us``: the median CPU time of one ``write()`` or ``load()`` call, and ``wait_us``
-  that of the ``wait_layer`` calls after one load (all layers together).
+  that of the ``wait_layer`` calls after one load (all layers together);
+- ``cpu_idle_us``: the median CPU time of one such call made with the device idle (each call
+  waits for the one before it to complete): set against ``cpu_us``, what a deep queue of
+  transfers adds to the runtime's calls (an engine that does not flood the device pays
+  this one).
 
 Each queue runs ``repeats`` times after one untimed warm-up queue; the fastest is kept, and
 ``spread%`` says how far the slowest was from it.
@@ -37,6 +41,9 @@ from kvcore.registry import Registry, allocate_host_pool
 from kvcore.streams import has_streams
 
 MIB = 2**20
+
+#: calls of each row made with the device idle (``cpu_idle_us``)
+PACED_CALLS = 32
 
 #: element dims of the queue rows: 8 heads of 128 (MHA), DeepSeek's latent 512 + 64 (MLA)
 ELEMENT_DIM = {Kind.MHA: 8 * MHA_HEAD_DIM, Kind.MLA: 576}
@@ -92,6 +99,7 @@ class QueueRow:
     wait_us: float | None = None
     spread_pct: float | None = None
     error: str | None = None
+    cpu_idle_us: float | None = None
 
     @property
     def ratio(self) -> float | None:
@@ -112,12 +120,12 @@ class QueueRow:
                          int(f["calls"]), int(f["page_size"]), int(f["num_layers"]),
                          getattr(torch, f["dtype"]))
         return cls(case, f["backend"], f["ms_per_call"], f["ceiling_ms"], f["cpu_us"],
-                   f["wait_us"], f.get("spread_pct"), f["error"])
+                   f["wait_us"], f.get("spread_pct"), f["error"], f.get("cpu_idle_us"))
 
     def facts(self) -> dict[str, Any]:
         return {"backend": self.backend, **self.case.facts(), "ms_per_call": self.ms_per_call,
                 "ceiling_ms": self.ceiling_ms, "ratio": self.ratio, "gib_s": self.gib_s,
-                "cpu_us": self.cpu_us, "wait_us": self.wait_us,
+                "cpu_us": self.cpu_us, "cpu_idle_us": self.cpu_idle_us, "wait_us": self.wait_us,
                 "spread_pct": self.spread_pct, "error": self.error}
 
 
@@ -202,8 +210,36 @@ def _run(case: QueueCase, backend: str, registry: Registry, device: torch.device
             ctl.free_host(h)
         return elapsed, cpu, waits
 
+    def paced(n: int) -> list[float]:
+        """``n`` calls, each with the device idle (the last call's work completed)."""
+        cpu: list[float] = []
+        if case.op == "write":
+            for i in range(n):
+                sync()
+                c0 = time.perf_counter()
+                ctl.write(dev_sets[i % len(dev_sets)])
+                cpu.append(time.perf_counter() - c0)
+            for ack in ctl.wait_acks():
+                ctl.free_host(ack.host_indices)
+            return cpu
+        hosts = [ctl.write(dev_sets[i % len(dev_sets)]).host_indices for i in range(n)]
+        ctl.wait_acks()
+        for i in range(n):
+            sync()
+            c0 = time.perf_counter()
+            handle = ctl.load(hosts[i], dev_sets[(i + 1) % len(dev_sets)])
+            cpu.append(time.perf_counter() - c0)
+            for layer in range(case.num_layers):
+                handle.wait_layer(layer)
+        sync()
+        handle.check()
+        for h in hosts:
+            ctl.free_host(h)
+        return cpu
+
     one_queue()  # warm-up: first-use allocations, lazy library loads
     runs = [one_queue() for _ in range(repeats)]
+    idle = paced(min(case.calls, PACED_CALLS))
     best = min(runs, key=lambda r: r[0])
     slowest = max(r[0] for r in runs)
     ceil = ceiling.measure(case.direction, case.bytes_per_call)
@@ -211,7 +247,8 @@ def _run(case: QueueCase, backend: str, registry: Registry, device: torch.device
         case, backend, ms_per_call=1e3 * best[0] / case.calls, ceiling_ms=ceil.median_ms,
         cpu_us=1e6 * statistics.median(c for r in runs for c in r[1]),
         wait_us=1e6 * statistics.median(w for r in runs for w in r[2]) if best[2] else None,
-        spread_pct=100.0 * (slowest - best[0]) / best[0] if best[0] > 0 else 0.0)
+        spread_pct=100.0 * (slowest - best[0]) / best[0] if best[0] > 0 else 0.0,
+        cpu_idle_us=1e6 * statistics.median(idle))
 
 
 def _synchronizer(device: torch.device) -> Callable[[], None]:
@@ -224,19 +261,22 @@ def _synchronizer(device: torch.device) -> Callable[[], None]:
 def markdown_rows(rows: list[QueueRow]) -> list[str]:
     """A markdown table of queue rows."""
     lines = ["| backend | op | kind | layout | pages | MiB/call | calls | ms/call | GiB/s | "
-             "ceil GiB/s | ratio | CPU us/call | wait_layer us | spread% |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "ceil GiB/s | ratio | CPU us/call | CPU us/call, device idle | wait_layer us | "
+             "spread% |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         c = r.case
         head = (f"| {r.backend} | {c.op} | {c.kind.value} | {c.layout.value} | {c.pages} | "
                 f"{c.bytes_per_call / MIB:.0f} | {c.calls} | ")
         if r.error is not None:
-            lines.append(head + f"failed: {r.error} |||||||")
+            lines.append(head + f"failed: {r.error} ||||||||")
             continue
         ceil_gib = gib_per_s(c.bytes_per_call, r.ceiling_ms or 0.0)
         wait = f"{r.wait_us:.0f}" if r.wait_us is not None else "-"
+        idle = f"{r.cpu_idle_us:.0f}" if r.cpu_idle_us is not None else "-"
         lines.append(head + f"{r.ms_per_call:.3f} | {r.gib_s:.1f} | {ceil_gib:.1f} | "
-                     f"{r.ratio:.3f} | {r.cpu_us:.0f} | {wait} | {r.spread_pct:.1f} |")
+                     f"{r.ratio:.3f} | {r.cpu_us:.0f} | {idle} | {wait} | "
+                     f"{r.spread_pct:.1f} |")
     return lines
 
 

@@ -240,7 +240,10 @@ def test_controller_rows_time_queues_of_controller_calls(tmp_path: Path) -> None
         ("load", 1), ("load", 2), ("write", 1), ("write", 2)]
     for r in rows:
         assert r["error"] is None and r["backend"] == "reference"
-        assert r["ratio"] > 0 and r["cpu_us"] > 0 and r["calls"] >= 4
+        assert r["ratio"] > 0 and r["cpu_us"] > 0 and r["cpu_idle_us"] > 0 and r["calls"] >= 4
         assert r["bytes_per_call"] == r["pages"] * 64 * 2 * 576 * 2  # 64-token pages, 2 layers
         assert (r["wait_us"] is None) == (r["op"] == "write")
-    assert "Through the controller" in md.read_text()
+    text = md.read_text()
+    assert "Through the controller" in text and "CPU us/call, device idle" in text
+    table = [line for line in text.splitlines() if line.startswith("| reference |")]
+    assert len(table) == 4 and all(line.count("|") == 16 for line in table)
