@@ -82,8 +82,9 @@ def idle_calls(ctl: Any, d: torch.Tensor, tag: str, n: int) -> None:
     call): set against the queued calls' times, what a deep queue adds to the runtime's
     calls."""
     acks: list[Any] = []
+    # (a write a library thread issues is done once acknowledged, not once the device is idle)
     timed(f"{tag} ctl.write(d) (device idle)", lambda: acks.append(ctl.write(d)), n=n,
-          every=torch.cuda.synchronize)
+          every=lambda: (ctl.wait_acks(), torch.cuda.synchronize()))
     ctl.wait_acks()
     it = iter(acks)
     timed(f"{tag} ctl.load(ack.host_indices, d) (device idle)",

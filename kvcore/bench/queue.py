@@ -215,6 +215,10 @@ def _run(case: QueueCase, backend: str, registry: Registry, device: torch.device
         cpu: list[float] = []
         if case.op == "write":
             for i in range(n):
+                # (a write a library thread issues is done once acknowledged, not once the
+                # device is idle: the thread may not have issued it yet)
+                for ack in ctl.wait_acks():
+                    ctl.free_host(ack.host_indices)
                 sync()
                 c0 = time.perf_counter()
                 ctl.write(dev_sets[i % len(dev_sets)])
