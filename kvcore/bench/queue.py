@@ -12,9 +12,9 @@ loads each followed by ``wait_layer`` of every layer on the caller's stream, and
 - ``cpu_us``: the median CPU time of one ``write()`` or ``load()`` call, and ``wait_us``
   that of the ``wait_layer`` calls after one load (all layers together);
 - ``cpu_idle_us``: the median CPU time of one such call made with the device idle (each call
-  waits for the one before it to complete): set against ``cpu_us``, what a deep queue of
-  transfers adds to the runtime's calls (an engine that does not flood the device pays
-  this one).
+  after the one before it completed): what a call costs an engine that synchronised just
+  before it. On the H200 it is the larger of the two (h200-2026-12-05: 8-60 us more than in
+  a queue at 1 to 16 pages): a deep queue does not slow the caller's runtime calls down.
 
 Each queue runs ``repeats`` times after one untimed warm-up queue; the fastest is kept, and
 ``spread%`` says how far the slowest was from it.
