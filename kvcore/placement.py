@@ -199,14 +199,15 @@ class IndexRing:
         dst = self._views.get((dtype, first))
         if dst is None or dst.numel() != n:
             dst = self._views[(dtype, first)] = device_mem.as_strided((n,), (1,), first)
+        src = pinned.data_ptr() + start  # the slot's pinned bytes
         try:
             # bytes, without NumPy, where they are plain host memory laid out as the slot's
             if indices.dtype is dtype and indices.is_cpu and indices.is_contiguous():
-                ctypes.memmove(pinned.data_ptr() + start, indices.data_ptr(), n * itemsize)
+                ctypes.memmove(src, indices.data_ptr(), n * itemsize)
             else:
                 np.copyto(host[first:first + n], indices.numpy(), casting="unsafe")
             if self.upload is not None:
-                self.upload(dst.data_ptr(), pinned.data_ptr() + start, n * itemsize, stream)
+                self.upload(dst.data_ptr(), src, n * itemsize, stream)
             else:
                 dst.copy_(pinned.as_strided((n,), (1,), first), non_blocking=True)
         except BaseException:
