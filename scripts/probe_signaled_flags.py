@@ -17,6 +17,8 @@ events over back-to-back calls, against one contiguous copy of the same bytes:
 from __future__ import annotations
 
 import statistics
+from collections.abc import Callable
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -24,6 +26,7 @@ import torch
 import kvcore.native
 from kvcore import DevicePool
 from kvcore.layout import Op
+from kvcore.plan import BoundPlan
 from kvcore.registry import allocate_host_pool, default_registry, make_request
 
 PAGE, PAGES, CALLS, REPEAT = 64, 64, 8, 5
@@ -40,7 +43,7 @@ def device_flags(self: kvcore.native.SignalBuffer, device: torch.device, capacit
     self.epoch = 0
 
 
-def timed(fn, stream: torch.cuda.Stream) -> float:  # type: ignore[no-untyped-def]
+def timed(fn: Callable[[], object], stream: torch.cuda.Stream) -> float:
     """Median ms per call of ``CALLS`` back-to-back calls."""
     out = []
     for _ in range(REPEAT + 1):
@@ -55,27 +58,44 @@ def timed(fn, stream: torch.cuda.Stream) -> float:  # type: ignore[no-untyped-de
     return statistics.median(out[1:])
 
 
+class Case(NamedTuple):
+    """One shape's bound per-layer load, its indices, and the buffers of its ceiling copy."""
+
+    bound: BoundPlan
+    host_idx: torch.Tensor
+    device_idx: torch.Tensor
+    src: torch.Tensor
+    dst: torch.Tensor
+    nbytes: int
+
+
+def make_case(kind: str, layout: str, layers: int, heads: int) -> Case:
+    """A cuda per-layer load of ``PAGES`` random pages of random host bytes, indices on the
+    device."""
+    dim = 128 if kind == "mha" else 576
+    dev = DevicePool.allocate(kind, layers, 2 * PAGES * PAGE, heads, dim, torch.bfloat16,
+                              "cuda", PAGE)
+    host = allocate_host_pool(kind, layout, layers, 2 * PAGES * PAGE, heads, dim,
+                              torch.bfloat16, PAGE, "cuda")
+    host.buffer.view(torch.int16).random_()
+    elem = heads * dim * 2
+    plan = default_registry().resolve(make_request(Op.LOAD_LAYER, kind, layout,
+                                                   torch.bfloat16, elem, "cuda"))
+    pages = torch.randperm(2 * PAGES)[:PAGES]
+    h = (pages[:, None] * PAGE + torch.arange(PAGE)).flatten().cuda()
+    d = (torch.randperm(2 * PAGES)[:PAGES, None] * PAGE + torch.arange(PAGE)).flatten().cuda()
+    nbytes = (2 if kind == "mha" else 1) * layers * PAGES * PAGE * elem
+    return Case(plan.bind(dev, host), h, d,
+                torch.empty(nbytes, dtype=torch.uint8, pin_memory=True),
+                torch.empty(nbytes, dtype=torch.uint8, device="cuda"), nbytes)
+
+
 def main() -> None:
     print("| kind | layout | layers | heads | MiB | path | ms/call | ceiling ms | ratio |")
     print("|---|---|---|---|---|---|---|---|---|")
     shipped_init = kvcore.native.SignalBuffer.__init__
     for kind, layout, layers, heads in SHAPES:
-        dim = 128 if kind == "mha" else 576
-        dev = DevicePool.allocate(kind, layers, 2 * PAGES * PAGE, heads, dim, torch.bfloat16,
-                                  "cuda", PAGE)
-        host = allocate_host_pool(kind, layout, layers, 2 * PAGES * PAGE, heads, dim,
-                                  torch.bfloat16, PAGE, "cuda")
-        host.buffer.view(torch.int16).random_()
-        elem = heads * dim * 2
-        plan = default_registry().resolve(make_request(Op.LOAD_LAYER, kind, layout,
-                                                       torch.bfloat16, elem, "cuda"))
-        bound = plan.bind(dev, host)
-        pages = torch.randperm(2 * PAGES)[:PAGES]
-        h = (pages[:, None] * PAGE + torch.arange(PAGE)).flatten().cuda()
-        d = (torch.randperm(2 * PAGES)[:PAGES, None] * PAGE + torch.arange(PAGE)).flatten().cuda()
-        nbytes = (2 if kind == "mha" else 1) * layers * PAGES * PAGE * elem
-        src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-        dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+        bound, h, d, src, dst, nbytes = make_case(kind, layout, layers, heads)
         rows = []
         for path in ("shipped", "device flags", "per-layer launches", "shipped"):
             stream = torch.cuda.Stream()  # a new stream: a new signal buffer
