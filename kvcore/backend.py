@@ -107,10 +107,7 @@ class TransferBackend(Protocol):
 #: runner returns, as for any runner. Such a runner may return an object with ``query()``,
 #: ``synchronize()`` and ``check()`` (a transfer another thread issues,
 #: :class:`~kvcore.native_job.NativeJob`): the submission then takes it as its completion
-#: event instead of recording one on ``stream``. A per-layer load runner of a
-#: ``layer_signals`` variant may follow as well: ``after`` then comes with the call for every
-#: layer only, and LayerSignals with a ``completion`` (``query()``, ``synchronize()``) give
-#: the submission its completion event.
+#: event instead of recording one on ``stream``.
 Runner = Callable[[torch.Tensor, torch.Tensor, "int | None", Any, bool], Any]
 
 

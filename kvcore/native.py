@@ -252,10 +252,9 @@ class NativeBackend:
                        staging.data_ptr(), staging.numel(), batched, s or None, done.bounds)
                 return done
 
-            route = self._write_back_route() if op is Op.WRITE_BACK else "0"
-            if route != "0":
+            if op is Op.WRITE_BACK and self._async_write_back():
                 return self._staged_async_runner(job, run_staged, k_ptrs, v_ptrs, host_base,
-                                                 layout, inline=route == "inline")
+                                                 layout)
             return run_staged
         dma = (self.optional_unchecked("kvio_load_layer_dma")
                if op is Op.LOAD_LAYER and variant == self.DMA else None)
@@ -281,24 +280,11 @@ class NativeBackend:
             return run_direct
         by_layer = job_runner(self.run, job)
         signaled = self.optional_unchecked("kvio_load_layers_signaled")
-        # the whole load in one call, after the caller's stream, its completion a job
-        # (KVCORE_SIGNALED_LOAD_JOB=1, where the library offers it)
-        as_job = (unchecked("kvio_load_layers_signaled_job")
-                  if signaled is not None and signaled_load_mode() == "1"
-                  and self._offers("has_signaled_load_job") else None)
-        if as_job is not None:
-            flush_at_exit(self.lib)
-        out = ctypes.c_void_p()  # the job handle, written under _signal_lock like the epochs
-        out_ref = ctypes.byref(out)
-        fence = Fence(self.device)
         groups: dict[int, int] = {}  # tokens per load -> layers that land together
 
         def run_signaled(h: torch.Tensor, d: torch.Tensor, layer: int | None, stream: Any,
-                         chained: bool, after: Any = None) -> BoundsCompletion | LayerSignals:
+                         chained: bool) -> BoundsCompletion | LayerSignals:
             signals = layer is None and signaled is not None and self._layer_signals()
-            if after is not None and not (signals and as_job is not None):
-                fence.order(stream, after)  # what is not one job follows a fence
-                after = None
             if layer is not None:
                 return run_direct(h, d, layer, stream, chained)
             if not signals:
@@ -314,25 +300,13 @@ class NativeBackend:
             args = (k_ptrs, v_ptrs, num_layers, host_base, layout, h.data_ptr() or None,
                     1 if h.dtype is int64 else 0, d.data_ptr() or None,
                     1 if d.dtype is int64 else 0, n)
-            completion = None
             with self._signal_lock:  # epochs reach the stream in the order they are handed out
                 buf = self._signal_buffer(s, num_layers, stream)
                 epoch = buf.next_epoch()
-                if after is None:
-                    signaled(*args, buf.counters or None, buf.flags or None, epoch, s or None,
-                             done.bounds)
-                else:
-                    assert as_job is not None  # (else `after` was fenced above)
-                    out.value = None
-                    as_job(*args, buf.counters or None, buf.flags or None, epoch, s or None,
-                           raw(after) or None, done.bounds, out_ref)
-                    completion = NativeJob(self.lib, out.value or 0, done, (h, d),
-                                           "kvio_load_layers_signaled_job", wait_on_drop=False)
-            return NativeLayerSignals(self, buf, epoch, done, group, num_layers, completion)
+                signaled(*args, buf.counters or None, buf.flags or None, epoch, s or None,
+                         done.bounds)
+            return NativeLayerSignals(self, buf, epoch, done, group, num_layers)
 
-        # a bound plan passes its caller's stream (`after`) instead of fencing, where the whole
-        # load can be one job
-        run_signaled.follows = as_job is not None  # type: ignore[attr-defined]
         return run_signaled
 
     def _dma_runner(self, job: TransferJob, dma: Callable[..., None], host_base: int | None,
@@ -359,17 +333,10 @@ class NativeBackend:
 
         return run_dma
 
-    def _write_back_route(self) -> str:
-        """How the controller's staged write-backs go: :func:`write_back_mode` as far as the
-        library carries it out (``0`` where it lacks the thread's functions, ``1`` for
-        ``inline`` where it lacks ``kvio_write_back_staged_inline``). ``inline`` is an
-        experiment until measured on a GPU: the caller's order point and the completion
-        event are then made by the library in the same call, instead of a fence and an event
-        through torch."""
-        if not self._offers("has_async_write_back"):
-            return "0"
-        mode = write_back_mode()
-        return "1" if mode == "inline" and not self._offers("has_inline_write_back") else mode
+    def _async_write_back(self) -> bool:
+        """Whether the controller's large staged write-backs go to the library's thread:
+        :func:`write_back_mode` says so and the library exports the thread's functions."""
+        return write_back_mode() == "1" and self._offers("has_async_write_back")
 
     def _offers(self, query: str) -> bool:
         """Whether the library answers its optional ``query`` (a ``has_...`` method) yes."""
@@ -378,7 +345,7 @@ class NativeBackend:
 
     def _staged_async_runner(self, job: TransferJob, run_staged: Runner, k_ptrs: int | None,
                              v_ptrs: int | None, host_base: int | None,
-                             layout: KvioLayout, inline: bool) -> Runner:
+                             layout: KvioLayout) -> Runner:
         """The staged write-back runner that hands each transfer of at least
         :data:`ASYNC_WRITE_BACK_MIN_BYTES` ordered after another stream (``after``: the
         controller's caller) to the library's thread
@@ -387,12 +354,10 @@ class NativeBackend:
         completion. It orders the transfer after ``after`` itself (``follows``), so a bound
         plan passes that stream instead of fencing. Without ``after`` (the plan API: the
         transfer must be on ``stream`` when the submit returns), or below that size,
-        ``run_staged`` (the synchronous runner) enqueues it here; below that size with
-        ``after``, an inline job where ``inline`` (:meth:`_write_back_route`)."""
+        ``run_staged`` (the synchronous runner) enqueues it here."""
         lib = self.lib
         unchecked = lib.unchecked  # type: ignore[attr-defined]
         handed = unchecked("kvio_write_back_staged_async")
-        inline_call = unchecked("kvio_write_back_staged_inline") if inline else None
         flush_at_exit(lib)
         issue, raw, staging_of = self._reports().issue, self.stream_handle, self.staging
         num_layers, batched = job.host_geometry.num_layers, int(self.use_batched)
@@ -408,22 +373,18 @@ class NativeBackend:
                              after: Any = None) -> NativeJob | BoundsCompletion:
             if after is None:
                 return run_staged(h, d, layer, stream, chained)
-            if h.numel() >= handed_from:
-                call, name = handed, "kvio_write_back_staged_async"
-            elif inline_call is not None:
-                call, name = inline_call, "kvio_write_back_staged_inline"
-            else:  # small: issued here, after the caller's stream
+            if h.numel() < handed_from:  # small: issued here, after the caller's stream
                 fence.order(stream, after)
                 return run_staged(h, d, layer, stream, chained)
             s = raw(stream)
             done = issue(host_tokens, device_tokens, op)
             staging = staging_of(s)
             out = ctypes.c_void_p()
-            call(k_ptrs, v_ptrs, num_layers, host_base, layout, h.data_ptr() or None,
-                 d.data_ptr() or None, 1 if d.dtype is int64 else 0, h.numel(),
-                 staging.data_ptr(), staging.numel(), batched, s or None, raw(after) or None,
-                 done.bounds, ctypes.byref(out))
-            return NativeJob(lib, out.value or 0, done, (h, d, staging), name)
+            handed(k_ptrs, v_ptrs, num_layers, host_base, layout, h.data_ptr() or None,
+                   d.data_ptr() or None, 1 if d.dtype is int64 else 0, h.numel(),
+                   staging.data_ptr(), staging.numel(), batched, s or None, raw(after) or None,
+                   done.bounds, ctypes.byref(out))
+            return NativeJob(lib, out.value or 0, done, (h, d, staging))
 
         run_staged_async.follows = True  # type: ignore[attr-defined]
         return run_staged_async
@@ -553,8 +514,7 @@ class NativeLayerSignals:
     nothing."""
 
     def __init__(self, backend: NativeBackend, buffer: SignalBuffer, epoch: int,
-                 done: BoundsCompletion, group: int = 1, num_layers: int | None = None,
-                 completion: NativeJob | None = None) -> None:
+                 done: BoundsCompletion, group: int = 1, num_layers: int | None = None) -> None:
         self._wait: Callable[[int, int, int], None] = backend.wait_signal
         self._raw_stream = backend.raw_stream
         self._current_raw = backend.current_raw_stream
@@ -562,9 +522,6 @@ class NativeLayerSignals:
         self._landed = buffer.landed
         self._flags = buffer.flags
         self._done = done
-        #: the load's completion where the library made it a job (query/synchronize/check:
-        #: the submission's event); None where the caller records an event after the launch
-        self.completion = completion
         self.epoch = epoch
         self.group = max(1, group)
         self._last = (num_layers if num_layers is not None else buffer.capacity) - 1
@@ -589,7 +546,7 @@ class NativeLayerSignals:
         self._covered[raw] = target
 
     def check(self) -> None:
-        (self.completion or self._done).check()  # (a job's check also reads the report)
+        self._done.check()
 
 
 class ReportRing:
@@ -648,17 +605,6 @@ WRITE_BACK_MODES = {
     "0": "every write-back by the caller (kvio_write_back_staged)",
     "1": "from ASYNC_WRITE_BACK_MIN_BYTES by the library's thread, smaller by the caller "
          "(the default)",
-    "inline": "from ASYNC_WRITE_BACK_MIN_BYTES by the library's thread, smaller by the caller "
-              "as inline jobs (kvio_write_back_staged_inline)",
-}
-
-
-#: ``KVCORE_SIGNALED_LOAD_JOB``: how a signaled per-layer load through the controller is issued
-SIGNALED_LOAD_MODES = {
-    "0": "the order point and the completion through torch events, the launch by the library "
-         "(kvio_load_layers_signaled; the default)",
-    "1": "all three in one library call, the completion a job "
-         "(kvio_load_layers_signaled_job)",
 }
 
 
@@ -666,12 +612,6 @@ def write_back_mode() -> str:
     """The ``KVCORE_ASYNC_WRITE_BACK`` mode (:data:`WRITE_BACK_MODES`; unset or empty: ``1``);
     another value is refused with InvalidArgument naming the variable."""
     return _mode("KVCORE_ASYNC_WRITE_BACK", WRITE_BACK_MODES, "1")
-
-
-def signaled_load_mode() -> str:
-    """The ``KVCORE_SIGNALED_LOAD_JOB`` mode (:data:`SIGNALED_LOAD_MODES`; unset or empty:
-    ``0``); another value is refused with InvalidArgument naming the variable."""
-    return _mode("KVCORE_SIGNALED_LOAD_JOB", SIGNALED_LOAD_MODES, "0")
 
 
 def _mode(variable: str, modes: dict[str, str], default: str) -> str:

@@ -20,8 +20,7 @@ from typing import Any
 from kvcore.errors import BuildError, DeviceFault, InvalidArgument, KernelError
 
 __all__ = ["ABI_HEADER", "ABI_VERSION", "ASYNC_WRITE_FUNCTIONS", "INCLUDE_DIR",
-           "INLINE_WRITE_FUNCTIONS", "JOB_PENDING", "REPORT_BYTES", "SIGNALED_JOB_FUNCTIONS",
-           "KvioBounds",
+           "JOB_PENDING", "REPORT_BYTES", "KvioBounds",
            "KvioLayout", "KvioReport", "NativeLibrary", "OPTIONAL_PROTOTYPES", "PROTOTYPES",
            "make_bounds", "make_layout", "unchecked_bounds"]
 
@@ -201,19 +200,6 @@ def _staged_args(k_ptrs: int, v_ptrs: int | None, num_layers: int, host_base: in
             _flag("use_batched", use_batched), _ptr("stream", stream))
 
 
-def _signaled_args(k_ptrs: int, v_ptrs: int | None, num_layers: int, host_base: int,
-                   layout: KvioLayout | Mapping[str, int], host_idx: int, host_idx_64: int,
-                   dev_idx: int, dev_idx_64: int, n_tokens: int, counters: int, flags: int,
-                   epoch: int) -> tuple[Any, ...]:
-    """The checked arguments both forms of the signaled load share, up to their stream."""
-    return (_ptr("k_ptrs", k_ptrs), _ptr("v_ptrs", v_ptrs),
-            _int("num_layers", num_layers, _INT32), _ptr("host_base", host_base),
-            make_layout(layout), _ptr("host_idx", host_idx), _flag("host_idx_64", host_idx_64),
-            _ptr("dev_idx", dev_idx), _flag("dev_idx_64", dev_idx_64),
-            _int("n_tokens", n_tokens, _INT64), _ptr("counters", counters),
-            _ptr("flags", flags), _int("epoch", epoch, _UINT32))
-
-
 _c = ctypes
 _BOUNDS_P = ctypes.POINTER(KvioBounds)
 #: name -> (restype, argtypes) of every function the library exports
@@ -255,32 +241,6 @@ PROTOTYPES: dict[str, tuple[Any, tuple[Any, ...]]] = {
     )),
 }
 
-#: the staged write-back as a job (kvio_write_back_staged_async and _inline): its arguments,
-#: then the stream it follows, the bounds (copied by the call) and the job handle (out)
-_STAGED_JOB = (_c.c_int, (
-    *PROTOTYPES["kvio_write_back_staged"][1][:-1],
-    _c.c_void_p,    # after_stream (the transfer follows its work so far; `stream`: none)
-    _BOUNDS_P,      # bounds
-    _c.POINTER(_c.c_void_p),  # job (out)
-))
-
-#: the leading arguments of the signaled per-layer load, in both its forms
-_SIGNALED_ARGS = (
-    _c.c_void_p,    # k_ptrs
-    _c.c_void_p,    # v_ptrs
-    _c.c_int32,     # num_layers
-    _c.c_void_p,    # host_base
-    KvioLayout,     # layout (by value)
-    _c.c_void_p,    # host_idx
-    _c.c_int,       # host_idx_64
-    _c.c_void_p,    # dev_idx
-    _c.c_int,       # dev_idx_64
-    _c.c_int64,     # n_tokens
-    _c.c_void_p,    # counters (uint32 x (num_layers + 1), device; zeroed by the call)
-    _c.c_void_p,    # flags (uint32 x num_layers, device memory or pinned host memory)
-    _c.c_uint32,    # epoch
-)
-
 #: functions a library may export on top of PROTOTYPES (each has a ``has_...`` query)
 OPTIONAL_PROTOTYPES: dict[str, tuple[Any, tuple[Any, ...]]] = {
     # kvio_transfer_direct's arguments; the caller vouches for the chained-load guarantee
@@ -303,17 +263,21 @@ OPTIONAL_PROTOTYPES: dict[str, tuple[Any, tuple[Any, ...]]] = {
     # the signaled per-layer load: every layer in one launch, one ready flag per layer
     "kvio_has_layer_signals": (_c.c_int, ()),
     "kvio_load_layers_signaled": (_c.c_int, (
-        *_SIGNALED_ARGS,
+        _c.c_void_p,    # k_ptrs
+        _c.c_void_p,    # v_ptrs
+        _c.c_int32,     # num_layers
+        _c.c_void_p,    # host_base
+        KvioLayout,     # layout (by value)
+        _c.c_void_p,    # host_idx
+        _c.c_int,       # host_idx_64
+        _c.c_void_p,    # dev_idx
+        _c.c_int,       # dev_idx_64
+        _c.c_int64,     # n_tokens
+        _c.c_void_p,    # counters (uint32 x (num_layers + 1), device; zeroed by the call)
+        _c.c_void_p,    # flags (uint32 x num_layers, device memory or pinned host memory)
+        _c.c_uint32,    # epoch
         _c.c_void_p,    # stream
         _BOUNDS_P,      # bounds (const kvio_bounds*, read during the call)
-    )),
-    # the signaled load after another stream's work, its completion a job (one call)
-    "kvio_load_layers_signaled_job": (_c.c_int, (
-        *_SIGNALED_ARGS,
-        _c.c_void_p,    # stream
-        _c.c_void_p,    # after_stream (its work so far comes first; NULL: the legacy stream)
-        _BOUNDS_P,      # bounds (const kvio_bounds*, read during the call)
-        _c.POINTER(_c.c_void_p),  # job (out)
     )),
     "kvio_wait_layer_signal": (_c.c_int, (
         _c.c_void_p,    # flag (device-visible address of one uint32)
@@ -338,10 +302,14 @@ OPTIONAL_PROTOTYPES: dict[str, tuple[Any, tuple[Any, ...]]] = {
         _c.c_int64,     # nbytes
         _c.c_void_p,    # stream
     )),
-    # the staged write-back issued by a library thread (the caller only hands it over)
-    "kvio_write_back_staged_async": _STAGED_JOB,
-    # the same, issued by the calling thread before it returns (a job all the same)
-    "kvio_write_back_staged_inline": _STAGED_JOB,
+    # the staged write-back issued by a library thread (the caller only hands it over): its
+    # arguments, then the stream it follows, the bounds (copied by the call) and the job
+    "kvio_write_back_staged_async": (_c.c_int, (
+        *PROTOTYPES["kvio_write_back_staged"][1][:-1],
+        _c.c_void_p,    # after_stream (the transfer follows its work so far; `stream`: none)
+        _BOUNDS_P,      # bounds
+        _c.POINTER(_c.c_void_p),  # job (out)
+    )),
     "kvio_job_status": (_c.c_int, (_c.c_void_p,)),
     "kvio_job_wait": (_c.c_int, (_c.c_void_p,)),
     "kvio_job_release": (None, (_c.c_void_p,)),
@@ -351,18 +319,12 @@ OPTIONAL_PROTOTYPES: dict[str, tuple[Any, tuple[Any, ...]]] = {
 #: the optional functions that together make the asynchronous staged write-back
 ASYNC_WRITE_FUNCTIONS = frozenset({"kvio_write_back_staged_async", "kvio_job_status",
                                    "kvio_job_wait", "kvio_job_release", "kvio_jobs_flush"})
-#: the optional inline write-back, which also needs the job functions
-INLINE_WRITE_FUNCTIONS = (ASYNC_WRITE_FUNCTIONS - {"kvio_write_back_staged_async"}) | {
-    "kvio_write_back_staged_inline"}
 #: what kvio_job_status / kvio_job_wait return for a job not yet finished (KVIO_JOB_PENDING)
 JOB_PENDING = -1
 
 #: the optional functions that together make the signaled per-layer load
 LAYER_SIGNAL_FUNCTIONS = frozenset({"kvio_has_layer_signals", "kvio_load_layers_signaled",
                                     "kvio_wait_layer_signal"})
-#: the signaled load issued as a job, which also needs the signaled load and the job functions
-SIGNALED_JOB_FUNCTIONS = LAYER_SIGNAL_FUNCTIONS | {
-    "kvio_load_layers_signaled_job", "kvio_job_status", "kvio_job_wait", "kvio_job_release"}
 
 
 class NativeLibrary:
@@ -463,11 +425,6 @@ class NativeLibrary:
         """Whether the library exports the asynchronous staged write-back and its job
         functions (:meth:`write_back_staged_async`)."""
         return ASYNC_WRITE_FUNCTIONS <= self.optional
-
-    def has_inline_write_back(self) -> bool:
-        """Whether the library exports the inline staged write-back and the job functions
-        (:meth:`write_back_staged_inline`)."""
-        return INLINE_WRITE_FUNCTIONS <= self.optional
 
     def error_string(self, code: int) -> str:
         """The runtime's message for status ``code``."""
@@ -596,49 +553,15 @@ class NativeLibrary:
         The host indices are copied; ``dev_idx``, ``staging`` and the pools must stay valid
         until the job finished. Raises BuildError when the library lacks the functions.
         """
-        return self._staged_job("kvio_write_back_staged_async", self.has_async_write_back(),
-                                k_ptrs, v_ptrs, num_layers, host_base, layout, host_idx_cpu,
-                                dev_idx, dev_idx_64, n_tokens, staging, staging_bytes,
-                                use_batched, stream, after_stream, bounds)
-
-    def write_back_staged_inline(self, k_ptrs: int, v_ptrs: int | None, num_layers: int,
-                                 host_base: int, layout: KvioLayout | Mapping[str, int],
-                                 host_idx_cpu: int, dev_idx: int, dev_idx_64: int,
-                                 n_tokens: int, staging: int, staging_bytes: int,
-                                 use_batched: int | bool, stream: int | None,
-                                 after_stream: int | None,
-                                 bounds: KvioBounds | None = None) -> int:
-        """``kvio_write_back_staged_inline`` (optional): :meth:`write_back_staged_async`
-        issued on the calling thread before it returns (the host indices are read during the
-        call only); the same checks and job. Raises BuildError when the library lacks it."""
-        return self._staged_job("kvio_write_back_staged_inline", self.has_inline_write_back(),
-                                k_ptrs, v_ptrs, num_layers, host_base, layout, host_idx_cpu,
-                                dev_idx, dev_idx_64, n_tokens, staging, staging_bytes,
-                                use_batched, stream, after_stream, bounds)
-
-    def _staged_job(self, function: str, exported: bool, k_ptrs: int, v_ptrs: int | None,
-                    num_layers: int, host_base: int, layout: KvioLayout | Mapping[str, int],
-                    host_idx_cpu: int, dev_idx: int, dev_idx_64: int, n_tokens: int,
-                    staging: int, staging_bytes: int, use_batched: int | bool,
-                    stream: int | None, after_stream: int | None,
-                    bounds: KvioBounds | None) -> int:
-        self._require_jobs(function, exported)
-        return self._job_call(
-            function,
-            *_staged_args(k_ptrs, v_ptrs, num_layers, host_base, layout, host_idx_cpu, dev_idx,
-                          dev_idx_64, n_tokens, staging, staging_bytes, use_batched, stream),
-            _ptr("after_stream", after_stream), _bounds(bounds))
-
-    def _require_jobs(self, function: str, exported: bool) -> None:
-        if not exported:
+        function = "kvio_write_back_staged_async"
+        if not self.has_async_write_back():
             raise BuildError(f"{self._where()} does not export {function} and the job "
                              f"functions (rebuild the {self.name} library)")
-
-    def _job_call(self, function: str, *args: Any) -> int:
-        """``function(*args, &job)``, a call that hands out a job: its status checked, the
-        job's handle returned."""
         job = ctypes.c_void_p()
-        self.check(function, getattr(self._lib, function)(*args, ctypes.byref(job)))
+        self.check(function, self._lib.kvio_write_back_staged_async(
+            *_staged_args(k_ptrs, v_ptrs, num_layers, host_base, layout, host_idx_cpu, dev_idx,
+                          dev_idx_64, n_tokens, staging, staging_bytes, use_batched, stream),
+            _ptr("after_stream", after_stream), _bounds(bounds), ctypes.byref(job)))
         return int(job.value or 0)
 
     def job_status(self, job: int) -> int:
@@ -734,37 +657,16 @@ class NativeLibrary:
         """
         self._require_signals()
         status = self._lib.kvio_load_layers_signaled(
-            *_signaled_args(k_ptrs, v_ptrs, num_layers, host_base, layout, host_idx,
-                            host_idx_64, dev_idx, dev_idx_64, n_tokens, counters, flags, epoch),
+            _ptr("k_ptrs", k_ptrs), _ptr("v_ptrs", v_ptrs),
+            _int("num_layers", num_layers, _INT32), _ptr("host_base", host_base),
+            make_layout(layout), _ptr("host_idx", host_idx), _flag("host_idx_64", host_idx_64),
+            _ptr("dev_idx", dev_idx), _flag("dev_idx_64", dev_idx_64),
+            _int("n_tokens", n_tokens, _INT64), _ptr("counters", counters),
+            _ptr("flags", flags), _int("epoch", epoch, _UINT32),
             _ptr("stream", stream),
             _bounds(bounds),
         )
         self.check("kvio_load_layers_signaled", status)
-
-    def has_signaled_load_job(self) -> bool:
-        """Whether the signaled load can run as a job (:meth:`load_layers_signaled_job`): the
-        library exports it and the job functions, and :meth:`has_layer_signals`."""
-        return SIGNALED_JOB_FUNCTIONS <= self.optional and self.has_layer_signals()
-
-    def load_layers_signaled_job(self, k_ptrs: int, v_ptrs: int | None, num_layers: int,
-                                 host_base: int, layout: KvioLayout | Mapping[str, int],
-                                 host_idx: int, host_idx_64: int, dev_idx: int,
-                                 dev_idx_64: int, n_tokens: int, counters: int, flags: int,
-                                 epoch: int, stream: int | None, after_stream: int | None,
-                                 bounds: KvioBounds | None = None) -> int:
-        """``kvio_load_layers_signaled_job`` (optional): :meth:`load_layers_signaled` on
-        ``stream`` after the work enqueued so far on ``after_stream``, its completion a job
-        handle for :meth:`job_status` / :meth:`job_wait` / :meth:`job_release`; the order
-        point, the launch and the completion event in one call. Raises as
-        :meth:`load_layers_signaled` (no job is handed out then), and BuildError when the
-        library lacks it."""
-        function = "kvio_load_layers_signaled_job"
-        self._require_jobs(function, SIGNALED_JOB_FUNCTIONS <= self.optional)
-        return self._job_call(
-            function,
-            *_signaled_args(k_ptrs, v_ptrs, num_layers, host_base, layout, host_idx,
-                            host_idx_64, dev_idx, dev_idx_64, n_tokens, counters, flags, epoch),
-            _ptr("stream", stream), _ptr("after_stream", after_stream), _bounds(bounds))
 
     def wait_layer_signal(self, flag: int, epoch: int, stream: int | None) -> None:
         """``kvio_wait_layer_signal`` (optional): ``stream`` waits until the device uint32 at

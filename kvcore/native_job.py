@@ -29,34 +29,24 @@ def flush_at_exit(lib: Any) -> None:
 
 
 class NativeJob:
-    """One transfer handed to the library's thread (or issued inline by the caller, with the
-    same job functions telling its completion; ``function`` names the call that made it).
+    """One transfer handed to the library's thread (``kvio_write_back_staged_async``).
 
     ``query()`` is True once the job has finished: issued and completed, or failed.
     ``synchronize()`` blocks until then. ``check()`` raises what failed it: the library's
     error (KernelError), or the kernels' report of an out-of-range device index
     (InvalidIndices, from ``done``). ``keep`` holds what the transfer reads (indices,
-    staging buffer) until it finished.
-
-    Dropped unfinished, a job is waited for (a write-back's: its memory must outlive it), or
-    with ``wait_on_drop`` False given back at once (a load's, whose consumer drops its handle
-    once every layer's wait is enqueued, long before the load has finished: its pools
-    belong to the controller and its device index tensors were recorded on the load's
-    stream, so nothing it touches is freed under it, and waiting would stall the caller).
+    staging buffer) until it finished. Dropped unfinished, a job is waited for: the transfer
+    must never outlive the memory it reads and writes.
     """
 
-    __slots__ = ("_done", "_function", "_handle", "_keep", "_lib", "_status", "_wait_on_drop")
+    __slots__ = ("_done", "_handle", "_keep", "_lib", "_status")
 
-    def __init__(self, lib: Any, handle: int, done: Any, keep: tuple[Any, ...],
-                 function: str = "kvio_write_back_staged_async",
-                 wait_on_drop: bool = True) -> None:
+    def __init__(self, lib: Any, handle: int, done: Any, keep: tuple[Any, ...]) -> None:
         self._lib = lib
-        self._function = function
         self._handle: int | None = handle
         self._done = done
         self._keep: tuple[Any, ...] | None = keep
         self._status: int | None = None
-        self._wait_on_drop = wait_on_drop
 
     def _settle(self, status: int) -> None:
         if status == JOB_PENDING:
@@ -78,20 +68,13 @@ class NativeJob:
     def check(self) -> None:
         self.synchronize()
         if self._status:
-            self._lib.check(self._function, self._status)
+            self._lib.check("kvio_write_back_staged_async", self._status)
         self._done.check()
 
     def __del__(self) -> None:
-        handle = self._handle
-        if handle is None:
+        if self._handle is None:
             return
         try:
-            if self._wait_on_drop:
-                # dropped unfinished (its controller was): wait, so the transfer never
-                # outlives the memory it reads and writes
-                self.synchronize()
-            else:
-                self._handle = None
-                self._lib.job_release(handle)
+            self.synchronize()  # dropped unfinished (its controller was)
         except Exception:  # noqa: BLE001 - nothing to report to at collection
             pass

@@ -421,10 +421,9 @@ class BoundPlan:
                  layer: int | None, s: Any, chained: bool, after: Any = None) -> Submission:
         run = self._runners[id(support)]
         follow: Callable[..., Any] = run  # (a runner that `follows` takes `after` too)
-        # a runner that `follows` orders its transfer after `after` itself (write-back and
-        # all-layer jobs, and a per-layer load of every layer where its layers signal)
-        if after is not None and not (getattr(run, "follows", False) and (
-                self.op is not Op.LOAD_LAYER or (layer is None and support.layer_signals))):
+        # a write-back or all-layer runner that `follows` orders its transfer after `after`
+        if after is not None and not (getattr(run, "follows", False)
+                                      and self.op is not Op.LOAD_LAYER):
             self._fence.order(s, after)
             after = None
         if self.op is not Op.LOAD_LAYER:
@@ -442,17 +441,13 @@ class BoundPlan:
             return Submission({layer: event}, event,
                               [] if done is None else [(layer, done)])
         if support.layer_signals:
-            signals = (run(hp, dp, None, s, False) if after is None
-                       else follow(hp, dp, None, s, False, after))
+            signals = run(hp, dp, None, s, False)
             if not (hasattr(signals, "wait_layer") and hasattr(signals, "check")):
                 raise ContractViolation(
                     f"{self.context}: variant {support.variant!r} declares layer_signals, "
                     "so a job for every layer must return LayerSignals (wait_layer, "
                     f"check); it returned {type(signals).__name__}")
-            # signals whose completion the library made (a job) are their own event
-            completion = getattr(signals, "completion", None)
-            event = (completion if _issued_later(completion)
-                     else recorded_event(self.device, s))
+            event = recorded_event(self.device, s)
             return Submission({}, event, [(None, signals)], one=signals,
                               layers=self.num_layers)
         waits: dict[int, Any] = {}

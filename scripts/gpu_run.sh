@@ -13,9 +13,8 @@
 # The seed bench stops starting cases SEED_MARGIN_S (default 60) before the deadline; the
 # pure-torch reference is slow: SEED_REFERENCE_REPEAT=1 times its rows by their oracle call
 # alone (then the whole table with the reference took 457 s on an H200).
+# publish: scripts/probe_signaled_publish.py (variants of the signaled load's end of layer).
 # write_modes: the controller rows once per KVCORE_ASYNC_WRITE_BACK mode in WRITE_MODES.
-# job_modes: the controller rows with the caller-issued job forms off (KVCORE_ASYNC_WRITE_BACK=1,
-# KVCORE_SIGNALED_LOAD_JOB=0) and on (inline, 1), alternating, JOB_ROUNDS times.
 # profile: py-spy samples of write()/load() loops (PROFILE_CASES op:pages; .whl/ must carry
 # the py-spy wheel).
 # probe_tma: the standalone TMA-against-loads probe (scripts/probe_tma_h2d.cu).
@@ -99,17 +98,12 @@ probe_h2d)
     rm -f "$R/probe_h2d"
     ;;
 write_modes)  # the controller's rows once per write-back issue mode (KVCORE_ASYNC_WRITE_BACK)
-    for mode in ${WRITE_MODES:-0 1 inline}; do
+    for mode in ${WRITE_MODES:-0 1}; do
         KVCORE_ASYNC_WRITE_BACK=$mode step "bench_controller_mode_$mode" ${CONTROLLER_S:-400} "${KVIO[@]}" bench --through controller --backend cuda --layout ${CONTROLLER_LAYOUTS:-page_first} --markdown "$R/bench_controller_mode_$mode.md" --json "$R/bench_controller_mode_$mode.json"
     done
     ;;
-job_modes)  # the controller's rows with every caller-issued job form off, then on (A/B, alternating)
-    for round in ${JOB_ROUNDS:-1 2}; do
-        for mode in off on; do
-            if [ $mode = on ]; then w=inline; l=1; else w=1; l=0; fi
-            KVCORE_ASYNC_WRITE_BACK=$w KVCORE_SIGNALED_LOAD_JOB=$l step "bench_controller_jobs_${mode}_$round" ${CONTROLLER_S:-400} "${KVIO[@]}" bench --through controller --backend cuda --layout ${CONTROLLER_LAYOUTS:-page_first} --markdown "$R/bench_controller_jobs_${mode}_$round.md" --json "$R/bench_controller_jobs_${mode}_$round.json"
-        done
-    done
+publish)  # the signaled load's end of layer, one kernel build per variant (probe_signaled_publish.py)
+    step probe_signaled_publish ${PUBLISH_S:-400} $PY scripts/probe_signaled_publish.py
     ;;
 profile)  # py-spy over loops of controller calls (needs the py-spy wheel carried in .whl/)
     $PY -m pip install -q --no-index --no-deps --target /tmp/pyspy .whl/py_spy*.whl || { echo "no py-spy wheel in .whl/"; status=1; }

@@ -36,7 +36,8 @@ PER_LAYER = """            fence_acq_rel_gpu();
             asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(sig.flags + layer),
                          "r"(sig.epoch) : "memory");
 """
-NO_MEMSET = ("    if (!zeroed) {\n", "    if (false) {\n")
+NO_MEMSET = ("    KVIO_CHECK(cudaMemsetAsync(counters, 0, (size_t(num_layers) + 1) * "
+             "sizeof(uint32_t), s));\n", "")
 SC = ('asm volatile("fence.sc.gpu;"', 'asm volatile("fence.acq_rel.gpu;"')
 ACQUIRE = ("ld.acquire.gpu.global.u32", "ld.relaxed.gpu.global.u32")
 SECOND_LOOK = ("""        if (load_acquire_gpu(sig.counters + c) != counts_per_layer) {

@@ -16,7 +16,7 @@ from kvcore.streams import has_streams
 #: environment variables that change what a run measures (which backend, how its kernels were
 #: built, how the controller issues write-backs); the report names those that are set
 MEASURED_ENVIRONMENT = ("KVCORE_BACKEND", "KVCORE_PLUGINS", "KVCORE_ASYNC_WRITE_BACK",
-                        "KVCORE_SIGNALED_LOAD_JOB", "KVIO_CUDA_TUNE", "KVIO_CUDA_PREBUILT")
+                        "KVIO_CUDA_TUNE", "KVIO_CUDA_PREBUILT")
 
 _SMI = {  # tool -> arguments that print the driver version
     "nvidia-smi": ["--query-gpu=driver_version", "--format=csv,noheader"],

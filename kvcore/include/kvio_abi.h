@@ -141,29 +141,6 @@ KVIO_API int kvio_write_back_staged_async(const uint64_t* k_ptrs, const uint64_t
                                           int64_t staging_bytes, int use_batched, void* stream,
                                           void* after_stream, const kvio_bounds* bounds,
                                           void** job);
-/* kvio_write_back_staged_async issued on the calling thread before it returns: the same
- * checks, order point and job, with no thread and no copy of the host indices (a transfer too
- * small for a handover to pay, whose completion the caller still polls as a job). */
-KVIO_API int kvio_write_back_staged_inline(const uint64_t* k_ptrs, const uint64_t* v_ptrs,
-                                           int32_t num_layers, void* host_base,
-                                           kvio_layout layout, const int64_t* host_idx_cpu,
-                                           const void* dev_idx, int dev_idx_64,
-                                           int64_t n_tokens, void* staging,
-                                           int64_t staging_bytes, int use_batched,
-                                           void* stream, void* after_stream,
-                                           const kvio_bounds* bounds, void** job);
-/* kvio_load_layers_signaled issued after after_stream's work so far (nothing when it is
- * `stream`), with its completion recorded as a job for the job functions below: the order
- * point, the launch and the completion event in one call. Same checks and codes as
- * kvio_load_layers_signaled; *job is NULL when it fails. */
-KVIO_API int kvio_load_layers_signaled_job(const uint64_t* k_ptrs, const uint64_t* v_ptrs,
-                                           int32_t num_layers, void* host_base,
-                                           kvio_layout layout, const void* host_idx,
-                                           int host_idx_64, const void* dev_idx,
-                                           int dev_idx_64, int64_t n_tokens,
-                                           uint32_t* counters, uint32_t* flags, uint32_t epoch,
-                                           void* stream, void* after_stream,
-                                           const kvio_bounds* bounds, void** job);
 KVIO_API int kvio_job_status(void* job);
 KVIO_API int kvio_job_wait(void* job);
 KVIO_API void kvio_job_release(void* job);

@@ -120,15 +120,15 @@ def test_the_report_names_the_environment_that_changes_what_is_measured(
         monkeypatch.delenv(name, raising=False)
     assert main(argv) == 0
     assert "environment:" not in md.read_text()
-    monkeypatch.setenv("KVCORE_ASYNC_WRITE_BACK", "inline")
+    monkeypatch.setenv("KVCORE_ASYNC_WRITE_BACK", "0")
     monkeypatch.setenv("KVIO_CUDA_TUNE", "UNROLL=8")
     monkeypatch.setenv("KVCORE_CACHE_DIR", str(tmp_path))  # a path: not a measured setting
     assert main(argv) == 0
     doc = json.loads(out.read_text())
     validate(doc)
-    assert doc["settings"]["environment"] == {"KVCORE_ASYNC_WRITE_BACK": "inline",
+    assert doc["settings"]["environment"] == {"KVCORE_ASYNC_WRITE_BACK": "0",
                                               "KVIO_CUDA_TUNE": "UNROLL=8"}
-    assert "environment: KVCORE_ASYNC_WRITE_BACK=inline KVIO_CUDA_TUNE=UNROLL=8" in \
+    assert "environment: KVCORE_ASYNC_WRITE_BACK=0 KVIO_CUDA_TUNE=UNROLL=8" in \
         md.read_text()
 
 

@@ -47,19 +47,13 @@ class JobLibrary:
     def wait_layer_signal(self, *args: Any) -> None:
         raise AssertionError("no signaled load here")
 
-    def has_inline_write_back(self) -> bool:
-        return self.inline
-
-    inline = True
-
     def unchecked(self, function: str, last: Any = None) -> Any:
         if function == "kvio_write_back_staged":
             return lambda *args: self.handed.append(("synchronous", *args))  # type: ignore
-        assert function in ("kvio_write_back_staged_async", "kvio_write_back_staged_inline")
-        inline = function.endswith("inline")
+        assert function == "kvio_write_back_staged_async"
 
         def call(*args: Any) -> None:
-            self.handed.append(("inline", *args) if inline else args)
+            self.handed.append(args)
             job = self.next_job
             self.next_job += 0x10
             self.status[job] = JOB_PENDING
@@ -229,47 +223,14 @@ def test_a_write_back_below_the_size_worth_a_handover_is_enqueued_by_the_caller(
     assert [args[0] == "synchronous" for args in lib.handed] == [True, False]
 
 
-def test_with_inline_jobs_a_small_write_back_is_issued_by_the_caller_as_a_job(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    token_bytes = 2 * 3 * 2 * 64 * 2  # K and V, 3 layers, 2 heads x 64 bf16
-    monkeypatch.setattr("kvcore.native.ASYNC_WRITE_BACK_MIN_BYTES", 16 * token_bytes)
-    monkeypatch.setenv("KVCORE_ASYNC_WRITE_BACK", "inline")
-    lib = JobLibrary()
-    run, *_ = _runner(lib)
-    small = run(torch.arange(15), torch.arange(15), None, None, False, "caller")
-    large = run(torch.arange(16), torch.arange(16), None, None, False, "caller")
-    plan_api = run(torch.arange(15), torch.arange(15), None, None, False)
-    assert isinstance(small, NativeJob) and isinstance(large, NativeJob)
-    assert not isinstance(plan_api, NativeJob)  # no stream to follow: enqueued as before
-    assert [args[0] if isinstance(args[0], str) else "thread" for args in lib.handed] == [
-        "inline", "thread", "synchronous"]
-    inline_args = lib.handed[0][1:]
-    assert inline_args[12:14] == (5, 9)  # its stream, after the caller's
-    assert inline_args[8] == 15
-    lib.status[0x100] = 3  # the inline job failed at completion
-    with pytest.raises(KernelError, match="kvio_write_back_staged_inline"):
-        small.check()
-
-
-def test_inline_jobs_fall_back_to_the_fenced_call_where_the_library_lacks_them(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("kvcore.native.ASYNC_WRITE_BACK_MIN_BYTES", 1 << 40)
-    monkeypatch.setenv("KVCORE_ASYNC_WRITE_BACK", "inline")
-    lib = JobLibrary()
-    lib.inline = False
-    run, *_ = _runner(lib)
-    assert not isinstance(run(torch.arange(16), torch.arange(16), None, None, False, "caller"),
-                          NativeJob)
-    assert lib.handed[0][0] == "synchronous"
-
-
-@pytest.mark.parametrize("value", ["2", "yes", "INLINE", "off"])
+@pytest.mark.parametrize("value", ["2", "yes", "inline", "off"])
 def test_an_unknown_write_back_mode_is_refused_naming_the_variable(
         monkeypatch: pytest.MonkeyPatch, value: str) -> None:
     from kvcore.errors import InvalidArgument
 
     monkeypatch.setenv("KVCORE_ASYNC_WRITE_BACK", value)
-    with pytest.raises(InvalidArgument, match=r"KVCORE_ASYNC_WRITE_BACK.*one of 0 \(.*inline"):
+    expected = rf"KVCORE_ASYNC_WRITE_BACK.*one of 0 \(.*1 \(.*'{value}'"
+    with pytest.raises(InvalidArgument, match=expected):
         _runner(JobLibrary())
 
 

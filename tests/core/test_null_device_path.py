@@ -1,6 +1,6 @@
 """The GPU-shaped submit path (index ring, fences, layer signals, the write-back routes) runs
 end to end on the CPU against the null kvio library (scripts/probe_null_device.py), in every
-write-back mode and signaled-load mode. A change that breaks a path only a GPU would take
+write-back mode. A change that breaks a path only a GPU would take
 fails here first."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from kvcore.native import SIGNALED_LOAD_MODES, WRITE_BACK_MODES
+from kvcore.native import WRITE_BACK_MODES
 
 PROBE = Path(__file__).resolve().parents[2] / "scripts" / "probe_null_device.py"
 
@@ -21,12 +21,9 @@ pytestmark = pytest.mark.skipif(
     not any(shutil.which(c) for c in ("cc", "gcc", "clang")), reason="needs a C compiler")
 
 
-@pytest.mark.parametrize("mode", [*(("write", m) for m in sorted(WRITE_BACK_MODES)),
-                                  *(("load", m) for m in sorted(SIGNALED_LOAD_MODES))],
-                         ids=lambda m: f"{m[0]}-{m[1]}")
-def test_every_row_of_the_null_device_probe_runs(mode: tuple[str, str]) -> None:
-    variable = "KVCORE_ASYNC_WRITE_BACK" if mode[0] == "write" else "KVCORE_SIGNALED_LOAD_JOB"
-    env = dict(os.environ, **{variable: mode[1]})
+@pytest.mark.parametrize("mode", sorted(WRITE_BACK_MODES))
+def test_every_row_of_the_null_device_probe_runs(mode: str) -> None:
+    env = dict(os.environ, KVCORE_ASYNC_WRITE_BACK=mode)
     # 1 page stays on the caller, 16 MHA pages (128 MiB) reach the library thread's route
     out = subprocess.run([sys.executable, str(PROBE), "--calls", "20", "--pages", "1", "16"],
                          env=env, capture_output=True, text=True, timeout=300)
@@ -50,8 +47,7 @@ def test_the_per_layer_submits_of_sglangs_hooks_run_with_indices_on_either_side(
 
 
 def _counts(**modes: str) -> dict[tuple[str, ...], list[str]]:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("KVCORE_ASYNC_WRITE_BACK", "KVCORE_SIGNALED_LOAD_JOB")}
+    env = {k: v for k, v in os.environ.items() if k != "KVCORE_ASYNC_WRITE_BACK"}
     out = subprocess.run([sys.executable, str(PROBE), "--count", "--pages", "1", "16"],
                          env={**env, **modes}, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -68,7 +64,7 @@ def test_what_each_controller_call_asks_of_the_runtime() -> None:
     """The GPU path's runtime calls per controller call, counted through the stand-ins and
     the null library (each one costs the caller 0.4-4 us on an H200 host): a change that adds
     one to the submit path, or makes a new event where the pool has a free one, fails here.
-    Default modes (KVCORE_ASYNC_WRITE_BACK and KVCORE_SIGNALED_LOAD_JOB unset)."""
+    Default mode (KVCORE_ASYNC_WRITE_BACK unset)."""
     rows = _counts()
     # the caller's stream looked up once; its point fenced (a record, a wait); one library
     # call; one completion event recorded (a load's device indices are also recorded on the
@@ -84,17 +80,3 @@ def test_what_each_controller_call_asks_of_the_runtime() -> None:
     assert rows[("mha", "layer_first", "1")][0] == fenced.format(
         "kvio_copy_to_device 1, kvio_transfer_direct 1, ", "")
     assert all(r[1] == load and r[2] == WAITS for r in rows.values())
-
-
-def test_the_job_forms_leave_the_fence_and_the_completion_event_to_the_library() -> None:
-    """KVCORE_ASYNC_WRITE_BACK=inline and KVCORE_SIGNALED_LOAD_JOB=1: one library call
-    follows the caller's stream and records the completion itself."""
-    rows = _counts(KVCORE_ASYNC_WRITE_BACK="inline", KVCORE_SIGNALED_LOAD_JOB="1")
-    # (the index ring held the previous load's job as its slot's last user until this load
-    # sealed the slot again: that job is given back here, a call without the runtime)
-    assert rows[("mha", "page_first", "1")] == [
-        "kvio_write_back_staged_inline 1, stream.current 1",
-        "kvio_copy_to_device 1, kvio_job_release 1, kvio_load_layers_signaled_job 1, "
-        "stream.current 1, tensor.record_stream 1", WAITS]
-    assert rows[("mha", "page_first", "16")][0] == (
-        "kvio_write_back_staged_async 1, stream.current 1")

@@ -739,15 +739,13 @@ def test_real_library_staged_transfers_refuse_bad_arguments_before_any_cuda_call
     assert staged(1, 0, 32, 1, layout, 1, 1, 0, 0, 1, 1 << 30, 1, None, BOUNDS) == 0
 
 
-@pytest.mark.parametrize("kind", ["async", "inline"])
-def test_real_library_job_write_backs_refuse_what_the_staged_one_refuses_and_issue_nothing(
-        real_library: _native.NativeLibrary, kind: str) -> None:
-    """kvio_write_back_staged_async (handed to the thread) and _inline (issued by the caller)
-    check as kvio_write_back_staged does: an error hands out no job and enqueues nothing."""
-    assert real_library.has_async_write_back() and real_library.has_inline_write_back()
+def test_real_library_job_write_back_refuses_what_the_staged_one_refuses_and_issues_nothing(
+        real_library: _native.NativeLibrary) -> None:
+    """kvio_write_back_staged_async (handed to the thread) checks as kvio_write_back_staged
+    does: an error hands out no job and enqueues nothing."""
+    assert real_library.has_async_write_back()
     raw = real_library._lib
-    function = f"kvio_write_back_staged_{kind}"
-    call = getattr(raw, function)
+    call = raw.kvio_write_back_staged_async
     layout = _native.KvioLayout.from_fields(LAYOUT)
     job = ctypes.c_void_p(0xDEAD)
 
@@ -769,18 +767,17 @@ def test_real_library_job_write_backs_refuse_what_the_staged_one_refuses_and_iss
     assert job.value not in (None, 0xDEAD)
     assert raw.kvio_job_status(job) == 0 and raw.kvio_job_wait(job) == 0
     raw.kvio_job_release(job)
-    with pytest.raises(KernelError, match=rf"{function}: invalid argument"):
-        getattr(real_library, f"write_back_staged_{kind}")(1, 0, 32, 1, LAYOUT, 1, 1, 0, 63, 1,
-                                                           1 << 30, 1, None, None)
+    with pytest.raises(KernelError, match=r"kvio_write_back_staged_async: invalid argument"):
+        real_library.write_back_staged_async(1, 0, 32, 1, LAYOUT, 1, 1, 0, 63, 1, 1 << 30, 1,
+                                             None, None)
 
 
-def test_the_job_write_backs_are_refused_by_a_library_without_them() -> None:
+def test_the_job_write_back_is_refused_by_a_library_without_it() -> None:
     lib = _native.NativeLibrary("fake.so", lib=FakeDmaLib())
-    assert not lib.has_async_write_back() and not lib.has_inline_write_back()
-    for method, name in ((lib.write_back_staged_async, "kvio_write_back_staged_async"),
-                         (lib.write_back_staged_inline, "kvio_write_back_staged_inline")):
-        with pytest.raises(BuildError, match=f"does not export {name} and the job functions"):
-            method(1, 0, 32, 1, LAYOUT, 1, 1, 0, 64, 1, 1 << 30, 1, None, None)
+    assert not lib.has_async_write_back()
+    with pytest.raises(BuildError,
+                       match="does not export kvio_write_back_staged_async and the job functions"):
+        lib.write_back_staged_async(1, 0, 32, 1, LAYOUT, 1, 1, 0, 64, 1, 1 << 30, 1, None, None)
 
 
 def test_real_library_async_write_back_refuses_an_out_of_range_cpu_host_index(
@@ -851,69 +848,6 @@ def test_real_library_signaled_load_refuses_bad_arguments_before_any_cuda_call(
     bad = _native.KvioLayout.from_fields(LAYOUT, page_size=0)
     assert signaled(1, 0, 4, 1, bad, 1, 0, 1, 0, 64, 1, 1, 1, None, BOUNDS) == 1
     assert raw.kvio_wait_layer_signal(None, 1, None) == 1
-
-
-def test_real_library_signaled_load_job_refuses_what_the_signaled_load_refuses_and_issues_nothing(
-        real_library: _native.NativeLibrary) -> None:
-    """kvio_load_layers_signaled_job checks as kvio_load_layers_signaled does: an error hands
-    out no job and records nothing (the order point's event is taken only after the checks)."""
-    assert real_library.has_signaled_load_job() == real_library.has_layer_signals()
-    raw = real_library._lib
-    layout = _native.KvioLayout.from_fields(LAYOUT)
-    bad = _native.KvioLayout.from_fields(LAYOUT, page_size=0)
-    job = ctypes.c_void_p(0xDEAD)
-
-    def as_job(*args: Any) -> int:
-        job.value = 0xDEAD
-        return raw.kvio_load_layers_signaled_job(  # type: ignore[no-any-return]
-            *args[:-1], None, args[-1], ctypes.byref(job))
-
-    for args in ((None, 0, 4, 1, layout, 1, 0, 1, 0, 64, 1, 1, 1, None, BOUNDS),
-                 (1, 0, 0, 1, layout, 1, 0, 1, 0, 64, 1, 1, 1, None, BOUNDS),
-                 (1, 0, 4, 1, layout, 1, 0, 1, 0, -1, 1, 1, 1, None, BOUNDS),
-                 (1, 0, 4, 1, layout, 1, 0, 1, 0, 64, None, 1, 1, None, BOUNDS),
-                 (1, 0, 4, 1, layout, 1, 0, 1, 0, 64, 1, None, 1, None, BOUNDS),
-                 (1, 0, 4, 1, layout, None, 0, 1, 0, 64, 1, 1, 1, None, BOUNDS),
-                 (1, 0, 4, 1, bad, 1, 0, 1, 0, 64, 1, 1, 1, None, BOUNDS),
-                 (1, 0, 4, 1, layout, 1, 0, 1, 0, 64, 1, 1, 1, None, None)):
-        assert as_job(*args) == 1, args
-        assert job.value is None, args
-    assert raw.kvio_load_layers_signaled_job(1, 0, 4, 1, layout, 1, 0, 1, 0, 64, 1, 1, 1,
-                                             None, None, BOUNDS, None) == 1  # no job slot
-    with pytest.raises(KernelError, match=r"kvio_load_layers_signaled_job: invalid argument"):
-        real_library.load_layers_signaled_job(0, 0, 4, 1, LAYOUT, 1, 0, 1, 0, 64, 1, 1, 1,
-                                              None, None)
-
-
-def test_signaled_load_job_marshalling_and_refusal_without_it() -> None:
-    class WithJob(FakeDmaLib):
-        kvio_job_status = _recording("kvio_job_status")
-        kvio_job_wait = _recording("kvio_job_wait")
-        kvio_job_release = _recording("kvio_job_release")
-
-        def kvio_load_layers_signaled_job(self, *args: Any) -> int:
-            self.calls.append(("kvio_load_layers_signaled_job", args))
-            args[-1]._obj.value = 0x9000  # the job handle (ctypes.byref's target)
-            return 0
-
-    fake = WithJob()
-    lib = _native.NativeLibrary("fake.so", lib=fake)
-    assert lib.has_signaled_load_job()
-    handle = lib.load_layers_signaled_job(0x1000, None, 61, 0x3000, LAYOUT, 0x4000, True,
-                                          0x5000, 0, 4096, 0x6000, 0x6100, 7, 0x7000, 0x7100,
-                                          bounds=BOUNDS)
-    assert handle == 0x9000
-    ((_, args),) = fake.calls
-    values = _values(args[:-1])
-    assert values[:4] == [0x1000, None, 61, 0x3000] and values[4].as_dict() == LAYOUT
-    assert values[5:] == [0x4000, 1, 0x5000, 0, 4096, 0x6000, 0x6100, 7, 0x7000, 0x7100, BOUNDS]
-    with pytest.raises(InvalidArgument, match="after_stream"):
-        lib.load_layers_signaled_job(1, None, 61, 1, LAYOUT, 1, 1, 1, 0, 64, 1, 1, 7, 1, -5)
-    assert len(fake.calls) == 1
-    without = _native.NativeLibrary("fake.so", lib=FakeDmaLib())
-    assert not without.has_signaled_load_job()
-    with pytest.raises(BuildError, match="does not export kvio_load_layers_signaled_job"):
-        without.load_layers_signaled_job(1, None, 61, 1, LAYOUT, 1, 1, 1, 0, 64, 1, 1, 7, 1, 1)
 
 
 # ------------------------------------------------ ABI v2 bounds, the real library on a CPU

@@ -64,17 +64,11 @@ def gen() -> torch.Generator:
     return torch.Generator().manual_seed(20261204)
 
 
-@pytest.fixture(params=["caller", "thread", "inline"])
+@pytest.fixture(params=["caller", "thread"])
 def handover(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Staged write-backs issued on the caller's thread, all handed to the library's, or all
-    issued by the caller as inline jobs (KVCORE_ASYNC_WRITE_BACK=inline), signaled loads then
-    also one library call each with a job for their completion
-    (KVCORE_SIGNALED_LOAD_JOB=1)."""
+    """Staged write-backs issued on the caller's thread, or all handed to the library's."""
     monkeypatch.setattr("kvcore.native.ASYNC_WRITE_BACK_MIN_BYTES",
                         1 if request.param == "thread" else 1 << 62)
-    if request.param == "inline":
-        monkeypatch.setenv("KVCORE_ASYNC_WRITE_BACK", "inline")
-        monkeypatch.setenv("KVCORE_SIGNALED_LOAD_JOB", "1")
     return str(request.param)
 
 

@@ -16,9 +16,7 @@
 //   kvio_load_layers_signaled  (optional) a per-layer load of every layer in one grid, layer
 //                           after layer, each layer publishing a ready flag;
 //                           kvio_wait_layer_signal makes a stream wait for one flag;
-//                           kvio_signaled_layer_group says how many layers land together;
-//                           kvio_load_layers_signaled_job issues it after another stream's
-//                           work with its completion as a job, all in one call.
+//                           kvio_signaled_layer_group says how many layers land together.
 //   kvio_copy_to_device     (optional) one asynchronous copy of pinned host bytes to the
 //                           device (the index ring's upload, without torch's dispatch).
 //
@@ -1378,10 +1376,6 @@ cudaError_t signaled_geometry(CopyParams& p, int num_kv, int64_t n_tokens, int32
     return cudaSuccess;
 }
 
-// The signaled per-layer load: all layers in one grid, layer by layer (signaled_body), on
-// `stream`. counters (device, num_layers + 1: the tile counters, then the cursor) are zeroed
-// by a memset on the stream before the launch; flags[l] (num_layers) becomes `epoch` once
-// layers 0..l have landed.
 // The arguments of a signaled load, checked before anything is enqueued
 // (cudaErrorInvalidValue for any it cannot carry out).
 cudaError_t check_signaled(const uint64_t* k_ptrs, int32_t num_layers, void* host_base,
@@ -1398,20 +1392,16 @@ cudaError_t check_signaled(const uint64_t* k_ptrs, int32_t num_layers, void* hos
     return cudaSuccess;
 }
 
-// Zeroes what a signaled launch counts in (tile counters and the in-order cursor) on `s`.
-cudaError_t zero_signal_counters(uint32_t* counters, int32_t num_layers, cudaStream_t s) {
-    return cudaMemsetAsync(counters, 0, (size_t(num_layers) + 1) * sizeof(uint32_t), s);
-}
-
-// `zeroed`: the caller already zeroed the counters on `stream` (the job form does, before its
-// wait for the caller's stream, so that the memset is not between that wait and the launch).
+// The signaled per-layer load: all layers in one grid, layer by layer (signaled_body), on
+// `stream`. counters (device, num_layers + 1: the tile counters, then the cursor) are zeroed
+// by a memset on the stream before the launch; flags[l] (num_layers) becomes `epoch` once
+// layers 0..l have landed.
 cudaError_t load_layers_signaled(const uint64_t* k_ptrs, const uint64_t* v_ptrs,
                                  int32_t num_layers, void* host_base,
                                  const kvio_layout& layout, const void* host_idx,
                                  int host_idx_64, const void* dev_idx, int dev_idx_64,
                                  int64_t n_tokens, uint32_t* counters, uint32_t* flags,
-                                 uint32_t epoch, void* stream, const kvio_bounds* bounds,
-                                 bool zeroed = false) {
+                                 uint32_t epoch, void* stream, const kvio_bounds* bounds) {
     KVIO_CHECK(check_signaled(k_ptrs, num_layers, host_base, layout, host_idx, dev_idx,
                               n_tokens, counters, flags, bounds));
     cudaStream_t s = static_cast<cudaStream_t>(stream);
@@ -1430,9 +1420,7 @@ cudaError_t load_layers_signaled(const uint64_t* k_ptrs, const uint64_t* v_ptrs,
                                  layout.num_chunks, guard.device(), &g));
     // every launch starts from zero counts and a zero in-order cursor (publish_in_order),
     // whatever loads of other layer counts left in this memory
-    if (!zeroed) {
-        KVIO_CHECK(zero_signal_counters(counters, num_layers, s));
-    }
+    KVIO_CHECK(cudaMemsetAsync(counters, 0, (size_t(num_layers) + 1) * sizeof(uint32_t), s));
     const Signals sig = {counters, flags, epoch};
     const SignaledKernel kernel = kSignaledKernels[log2_exact(g.vec)][needs_wide_index(p.total)];
     kernel<<<g.grid, kThreads, 0, s>>>(p, num_layers, sig);
@@ -1841,8 +1829,7 @@ cudaError_t copy_to_device(void* dst, const void* src, int64_t nbytes, cudaStrea
 constexpr int kJobPending = KVIO_JOB_PENDING;  // kvio_job_status: not issued, or issued and still running
 
 // What the job functions (kvio_job_status / _wait / _release) report on: a staged write-back
-// handed to the thread or issued inline (every field), or a signaled load issued as a job
-// (kvio_load_layers_signaled_job: device, stream and the events only).
+// handed to the thread (or issued by the caller while its stream is being captured).
 struct Job {
     const uint64_t* k_ptrs;
     const uint64_t* v_ptrs;
@@ -2008,7 +1995,7 @@ cudaError_t write_back_staged_async(const uint64_t* k_ptrs, const uint64_t* v_pt
                                     const void* dev_idx, int dev_idx_64, int64_t n_tokens,
                                     void* staging, int64_t staging_bytes, int use_batched,
                                     void* stream, void* after_stream, const kvio_bounds* bounds,
-                                    bool on_caller, void** job_out) {
+                                    void** job_out) {
     if (job_out == nullptr) {
         return cudaErrorInvalidValue;
     }
@@ -2045,20 +2032,18 @@ cudaError_t write_back_staged_async(const uint64_t* k_ptrs, const uint64_t* v_pt
     job->stream = s;
     job->bounds = *bounds;
     // Everything that can fail before the job is handed over; its events go back on failure.
-    // A stream being captured is recorded on the capturing thread, and an inline job
-    // (kvio_write_back_staged_inline) is the caller's to issue: the transfer is issued here,
-    // and the job only reports its completion.
-    const bool here = capturing || on_caller;
+    // A stream being captured is recorded on the capturing thread: the transfer is issued
+    // here, and the job only reports its completion.
     auto prepare = [&]() -> cudaError_t {
         KVIO_CHECK(take_job_events(job.get(), after));
-        return here ? issue_staged_job(*job, host_idx_cpu, n_tokens) : cudaSuccess;
+        return capturing ? issue_staged_job(*job, host_idx_cpu, n_tokens) : cudaSuccess;
     };
     const cudaError_t err = prepare();
     if (err != cudaSuccess) {
         give_job_events(job.get());
         return err;
     }
-    if (here) {
+    if (capturing) {
         job->issued = true;  // never shared with the thread
         *job_out = job.release();
         return cudaSuccess;
@@ -2089,54 +2074,6 @@ int job_status(Job* job, bool wait) {
     }
     if (err != cudaSuccess) (void)cudaGetLastError();
     return static_cast<int>(err);
-}
-
-// A signaled load issued by the caller after `after_stream`'s work so far, with a job for its
-// completion (kvio_load_layers_signaled_job): the order point, the launch and the completion
-// event in one call, events from the job pool. Nothing is handed to the thread.
-cudaError_t load_layers_signaled_job(const uint64_t* k_ptrs, const uint64_t* v_ptrs,
-                                     int32_t num_layers, void* host_base,
-                                     const kvio_layout& layout, const void* host_idx,
-                                     int host_idx_64, const void* dev_idx, int dev_idx_64,
-                                     int64_t n_tokens, uint32_t* counters, uint32_t* flags,
-                                     uint32_t epoch, void* stream, void* after_stream,
-                                     const kvio_bounds* bounds, void** job_out) {
-    if (job_out == nullptr) {
-        return cudaErrorInvalidValue;
-    }
-    *job_out = nullptr;
-    KVIO_CHECK(check_signaled(k_ptrs, num_layers, host_base, layout, host_idx, dev_idx,
-                              n_tokens, counters, flags, bounds));
-    cudaStream_t s = static_cast<cudaStream_t>(stream);
-    cudaStream_t after = static_cast<cudaStream_t>(after_stream);
-    DeviceGuard guard;
-    KVIO_CHECK(guard.enter(s));
-    auto job = std::make_unique<Job>();
-    job->device = guard.device();
-    job->stream = s;
-    auto issue = [&]() -> cudaError_t {
-        // the counters belong to this stream's loads, the one before on `s` has finished with
-        // them: zeroed ahead of the wait, the memset overlaps it instead of following it
-        KVIO_CHECK(zero_signal_counters(counters, num_layers, s));
-        KVIO_CHECK(take_job_events(job.get(), after));
-        if (job->after != nullptr) {
-            KVIO_CHECK(cudaStreamWaitEvent(s, job->after, 0));
-        }
-        KVIO_CHECK(load_layers_signaled(k_ptrs, v_ptrs, num_layers, host_base, layout,
-                                        host_idx, host_idx_64, dev_idx, dev_idx_64, n_tokens,
-                                        counters, flags, epoch, stream, bounds, true));
-        return cudaEventRecord(job->done, s);
-    };
-    const cudaError_t err = issue();
-    if (err != cudaSuccess) {
-        // a wait already enqueued keeps the record it was made against, so the events can
-        // go back to the pool
-        give_job_events(job.get());
-        return err;
-    }
-    job->issued = true;  // never shared with the thread
-    *job_out = job.release();
-    return cudaSuccess;
 }
 
 // A failed runtime call also leaves its (non-sticky) code in the runtime's last-error slot,
@@ -2195,21 +2132,7 @@ KVIO_API int kvio_write_back_staged_async(const uint64_t* k_ptrs, const uint64_t
     return finish(write_back_staged_async(k_ptrs, v_ptrs, num_layers, host_base, layout,
                                           host_idx_cpu, dev_idx, dev_idx_64, n_tokens, staging,
                                           staging_bytes, use_batched, stream, after_stream,
-                                          bounds, false, job));
-}
-
-KVIO_API int kvio_write_back_staged_inline(const uint64_t* k_ptrs, const uint64_t* v_ptrs,
-                                           int32_t num_layers, void* host_base,
-                                           kvio_layout layout, const int64_t* host_idx_cpu,
-                                           const void* dev_idx, int dev_idx_64,
-                                           int64_t n_tokens, void* staging,
-                                           int64_t staging_bytes, int use_batched,
-                                           void* stream, void* after_stream,
-                                           const kvio_bounds* bounds, void** job) {
-    return finish(write_back_staged_async(k_ptrs, v_ptrs, num_layers, host_base, layout,
-                                          host_idx_cpu, dev_idx, dev_idx_64, n_tokens, staging,
-                                          staging_bytes, use_batched, stream, after_stream,
-                                          bounds, true, job));
+                                          bounds, job));
 }
 
 KVIO_API int kvio_job_status(void* job) {
@@ -2259,20 +2182,6 @@ KVIO_API int kvio_load_layers_signaled(const uint64_t* k_ptrs, const uint64_t* v
     return finish(load_layers_signaled(k_ptrs, v_ptrs, num_layers, host_base, layout,
                                        host_idx, host_idx_64, dev_idx, dev_idx_64, n_tokens,
                                        counters, flags, epoch, stream, bounds));
-}
-
-KVIO_API int kvio_load_layers_signaled_job(const uint64_t* k_ptrs, const uint64_t* v_ptrs,
-                                           int32_t num_layers, void* host_base,
-                                           kvio_layout layout, const void* host_idx,
-                                           int host_idx_64, const void* dev_idx,
-                                           int dev_idx_64, int64_t n_tokens,
-                                           uint32_t* counters, uint32_t* flags, uint32_t epoch,
-                                           void* stream, void* after_stream,
-                                           const kvio_bounds* bounds, void** job) {
-    return finish(load_layers_signaled_job(k_ptrs, v_ptrs, num_layers, host_base, layout,
-                                           host_idx, host_idx_64, dev_idx, dev_idx_64, n_tokens,
-                                           counters, flags, epoch, stream, after_stream, bounds,
-                                           job));
 }
 
 KVIO_API int kvio_wait_layer_signal(const uint32_t* flag, uint32_t epoch, void* stream) {
