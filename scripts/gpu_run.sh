@@ -13,6 +13,7 @@
 # The seed bench stops starting cases SEED_MARGIN_S (default 60) before the deadline; the
 # pure-torch reference is slow: SEED_REFERENCE_REPEAT=1 times its rows by their oracle call
 # alone (then the whole table with the reference took 457 s on an H200).
+# write_variant: scripts/probe_write_variant.py (controller writes, staged vs direct).
 # publish: scripts/probe_signaled_publish.py (variants of the signaled load's end of layer).
 # write_modes: the controller rows once per KVCORE_ASYNC_WRITE_BACK mode in WRITE_MODES.
 # profile: py-spy samples of write()/load() loops (PROFILE_CASES op:pages; .whl/ must carry
@@ -101,6 +102,9 @@ write_modes)  # the controller's rows once per write-back issue mode (KVCORE_ASY
     for mode in ${WRITE_MODES:-0 1}; do
         KVCORE_ASYNC_WRITE_BACK=$mode step "bench_controller_mode_$mode" ${CONTROLLER_S:-400} "${KVIO[@]}" bench --through controller --backend cuda --layout ${CONTROLLER_LAYOUTS:-page_first} --markdown "$R/bench_controller_mode_$mode.md" --json "$R/bench_controller_mode_$mode.json"
     done
+    ;;
+write_variant)  # controller write-backs, staged against the direct kernel (probe_write_variant.py)
+    step probe_write_variant ${WRITE_VARIANT_S:-300} $PY scripts/probe_write_variant.py
     ;;
 publish)  # the signaled load's end of layer, one kernel build per variant (probe_signaled_publish.py)
     step probe_signaled_publish ${PUBLISH_S:-400} $PY scripts/probe_signaled_publish.py

@@ -1,0 +1,70 @@
+"""Whether small write-backs of contiguous host pages should skip the staging hop: the same
+queues of controller ``write()`` calls (kvio bench's controller rows, page_first) with the
+shipped choice (``staged``: a device gather, then copies of whole pages, from 64-KiB pages)
+and with the ``direct`` kernel forced (one kernel storing into pinned host memory).
+
+h200-2026-12-05: an MLA write of 1 page (2.25 MiB) ran at 0.78-0.82 of the ceiling and 4 pages
+at 0.91, under issue 21's 0.85 / 0.93; MHA (8 MiB a page) at 0.905-0.915 / 0.95.
+
+    python scripts/probe_write_variant.py      # on a CUDA machine; prints a markdown table
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+import attrs
+import torch
+
+CASES = [("mla", 1), ("mla", 4), ("mla", 16), ("mha", 1), ("mha", 4)]
+
+
+def force_direct() -> None:
+    """kvio_cuda's capabilities without the staged write-back (the direct one takes over)."""
+    import kvio_cuda
+
+    from kvcore.layout import Op
+
+    ops = tuple(o for o in kvio_cuda.CAPABILITIES.ops
+                if not (o.op is Op.WRITE_BACK and o.variant == "staged"))
+    kvio_cuda.CAPABILITIES = attrs.evolve(kvio_cuda.CAPABILITIES, ops=ops)
+
+
+def main() -> None:
+    import kvio_cuda  # noqa: F401  (reloaded between variants)
+
+    from kvcore.bench.ceiling import Ceiling
+    from kvcore.bench.queue import QueueCase, run_queue
+    from kvcore.bench.timing import Clock
+    from kvcore.layout import Kind, Layout
+    from kvcore.registry import REFERENCE, default_registry, reset_default_registry
+
+    variants = sys.argv[1:] or ["staged", "direct", "staged", "direct"]
+    print("| variant | kind | pages | MiB | ratio | ms/call | ceiling ms | CPU us |")
+    print("|---|---|---|---|---|---|---|---|", flush=True)
+    for variant in variants:
+        if variant == "direct":
+            force_direct()
+        else:
+            importlib.reload(sys.modules["kvio_cuda"])  # the shipped capabilities again
+        reset_default_registry()
+        registry = default_registry()
+        device = torch.device("cuda")
+        clock = Clock(device, 1, 5)
+        ceiling = Ceiling(clock, registry.instance(REFERENCE, device).allocate_host)  # type: ignore[attr-defined]
+        gen = torch.Generator().manual_seed(5)
+        for kind, pages in CASES:
+            one = QueueCase("write", Kind(kind), Layout.PAGE_FIRST, pages, 1)
+            case = attrs.evolve(one, calls=max(4, min(128, (2 << 30) // one.bytes_per_call)))
+            row = run_queue(case, "cuda", registry, device, ceiling, 5, gen)
+            if row.error:
+                print(f"| {variant} | {kind} | {pages} | - | {row.error} | | | |", flush=True)
+                continue
+            print(f"| {variant} | {kind} | {pages} | {one.bytes_per_call / 2**20:.2f} | "
+                  f"{row.ratio:.3f} | {row.ms_per_call:.4f} | {row.ceiling_ms:.4f} | "
+                  f"{row.cpu_us:.0f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
