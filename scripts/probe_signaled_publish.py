@@ -23,6 +23,7 @@ Only ``shipped`` is correct under every interleaving (the others are timing expe
 # ruff: noqa: B023  (each closure is called inside its loop turn)
 from __future__ import annotations
 
+import hashlib
 import subprocess
 import sys
 import tempfile
@@ -87,6 +88,8 @@ def build(name: str, edits: list[tuple[str, str]], work: Path) -> Path:
     cmd = kb.compile_command(nvcc.path, source, out, major, minor, nvcc.version,
                              kb.toolkit_lib_dir(nvcc.path), verbose_ptxas=False)
     subprocess.run(cmd, check=True, capture_output=True, text=True)
+    # the sidecar kvcore's loader verifies a built library against
+    out.with_name(out.name + ".sha256").write_text(hashlib.sha256(out.read_bytes()).hexdigest())
     return out
 
 
