@@ -469,11 +469,11 @@ class NativeBackend:
 
 
 class SignalBuffer:
-    """The signal memory of the signaled loads of one stream: ``capacity`` tile counters and
-    the in-order cursor in device memory (the library zeroes them before each load),
-    ``capacity`` ready flags (flag l: layers 0..l have landed) and the epoch the last load
-    raised them to. Loads on one stream run in order, so the flags only grow (cyclically, as
-    the wait compares them); epoch 0 is the fresh memory's and never handed out first.
+    """The signal memory of the signaled loads of one stream: ``capacity`` tile counters in
+    device memory (the library zeroes them before each load), ``capacity`` ready flags (flag
+    l: every layer of l's group has landed) and the epoch the last load raised them to.
+    Loads on one stream run in order, so the flags only grow (cyclically, as the wait
+    compares them); epoch 0 is the fresh memory's and never handed out first.
 
     The flags live in pinned host memory where the device has streams: the kernels publish
     them with a system-scope store, the stream-side wait reads them where they are, and the
@@ -483,9 +483,9 @@ class SignalBuffer:
 
     def __init__(self, device: torch.device, capacity: int) -> None:
         self.capacity = capacity
-        # a tile counter per layer, then the cursor of the flags raised in layer order (the
-        # library zeroes what a load uses on its stream before the launch)
-        self.counter_memory = torch.zeros(capacity + 1, dtype=torch.int32, device=device)
+        # a tile counter per group of layers (the library zeroes what a load uses on its
+        # stream before the launch)
+        self.counter_memory = torch.zeros(capacity, dtype=torch.int32, device=device)
         self.flag_memory = torch.zeros(capacity, dtype=torch.int32,
                                        pin_memory=has_streams(device))
         self.counters = self.counter_memory.data_ptr()
@@ -505,12 +505,12 @@ class SignalBuffer:
 
 
 class NativeLayerSignals:
-    """The LayerSignals of one signaled load: flag l reaches ``epoch`` once layers 0..l have
-    landed (the library raises the flags in layer order). The layers land ``group`` at a time
-    (one wave of the kernel's grid), so a wait for layer i waits for the flag of the last
-    layer of i's group, and only where no wait already enqueued on the same stream covers
-    layer i: a stream-side wait costs the waiting stream a microsecond or two of device time
-    even once its flag is up. A wait for a layer the host already sees landed enqueues
+    """The LayerSignals of one signaled load: the layers land ``group`` at a time (one wave of
+    the kernel's grid), and flag l reaches ``epoch`` once every layer of l's group has landed
+    (the library raises a group's flags together). So a wait for layer i waits for the flag of
+    the last layer of i's group, and only where the same stream has not waited for that group
+    yet: a stream-side wait costs the waiting stream a microsecond or two of device time even
+    once its flag is up. A wait for a layer the host already sees landed enqueues
     nothing."""
 
     def __init__(self, backend: NativeBackend, buffer: SignalBuffer, epoch: int,
@@ -525,7 +525,7 @@ class NativeLayerSignals:
         self.epoch = epoch
         self.group = max(1, group)
         self._last = (num_layers if num_layers is not None else buffer.capacity) - 1
-        self._covered: dict[int, int] = {}  # raw stream -> the last layer its waits cover
+        self._covered: dict[int, int] = {}  # raw stream -> the groups it waits for (bits)
 
     def wait_layer(self, layer: int, stream: Any) -> None:
         if not self._buffer.has_landed(layer, self.epoch):
@@ -538,12 +538,13 @@ class NativeLayerSignals:
             self._enqueue(layer, self._current_raw())
 
     def _enqueue(self, layer: int, raw: int) -> None:
-        if self._covered.get(raw, -1) >= layer:
-            return  # the stream already waits for this layer's group or a later one
         g = self.group
-        target = min(layer - layer % g + g - 1, self._last)
-        self._wait(self._flags + 4 * target, self.epoch, raw)
-        self._covered[raw] = target
+        group = layer // g
+        waited = self._covered.get(raw, 0)
+        if waited >> group & 1:
+            return  # the stream already waits for this layer's group
+        self._wait(self._flags + 4 * min(group * g + g - 1, self._last), self.epoch, raw)
+        self._covered[raw] = waited | 1 << group
 
     def check(self) -> None:
         self._done.check()

@@ -25,7 +25,7 @@ __all__ = ["ABI_HEADER", "ABI_VERSION", "ASYNC_WRITE_FUNCTIONS", "INCLUDE_DIR",
            "make_bounds", "make_layout", "unchecked_bounds"]
 
 #: the ABI version this binding speaks (kvio_abi_version() must return it)
-ABI_VERSION = 3
+ABI_VERSION = 4
 
 #: the folder holding ``kvio_abi.h``, the ABI's C header (structs and prototypes): what a
 #: native library builds against (``-I``); this module mirrors it for ctypes
@@ -273,7 +273,7 @@ OPTIONAL_PROTOTYPES: dict[str, tuple[Any, tuple[Any, ...]]] = {
         _c.c_void_p,    # dev_idx
         _c.c_int,       # dev_idx_64
         _c.c_int64,     # n_tokens
-        _c.c_void_p,    # counters (uint32 x (num_layers + 1), device; zeroed by the call)
+        _c.c_void_p,    # counters (uint32 x num_layers, device; zeroed by the call)
         _c.c_void_p,    # flags (uint32 x num_layers, device memory or pinned host memory)
         _c.c_uint32,    # epoch
         _c.c_void_p,    # stream
@@ -647,10 +647,11 @@ class NativeLibrary:
                              n_tokens: int, counters: int, flags: int, epoch: int,
                              stream: int | None, bounds: KvioBounds | None = None) -> None:
         """``kvio_load_layers_signaled`` (optional): a per-layer load of all ``num_layers``
-        layers in one launch, layer after layer; ``flags[l]`` (uint32 the device stores to)
-        becomes ``epoch`` once layers 0..l have landed. ``counters`` (device uint32 x
-        (num_layers + 1): tile counters and the in-order cursor) are the library's to zero on
-        the stream before its launch. Indices and ``bounds`` as for :meth:`transfer_direct` (a
+        layers in one launch, layer after layer, in groups of consecutive layers
+        (:meth:`signaled_layer_group`); ``flags[l]`` (uint32 the device stores to) becomes
+        ``epoch`` once every layer of l's group has landed. ``counters`` (device uint32 x
+        num_layers: one per group) are the library's to zero on the stream before its
+        launch. Indices and ``bounds`` as for :meth:`transfer_direct` (a
         skipped vector's tile still counts: every flag is set). Raises BuildError when
         the library lacks the function, InvalidArgument before any call for an argument out
         of range, KernelError when the library returns a nonzero status.

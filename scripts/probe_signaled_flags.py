@@ -35,7 +35,7 @@ SHAPES = [("mha", "page_first", 32, 8), ("mha", "layer_first", 32, 2), ("mla", "
 
 def device_flags(self: kvcore.native.SignalBuffer, device: torch.device, capacity: int) -> None:
     self.capacity = capacity
-    self.counter_memory = torch.zeros(capacity + 1, dtype=torch.int32, device=device)
+    self.counter_memory = torch.zeros(capacity, dtype=torch.int32, device=device)
     self.flag_memory = torch.zeros(capacity, dtype=torch.int32, device=device)
     self.counters = self.counter_memory.data_ptr()
     self.flags = self.flag_memory.data_ptr()

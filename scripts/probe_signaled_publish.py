@@ -16,6 +16,8 @@ per library; shapes and timing as scripts/probe_signaled_flags.py):
   zeroes the cursor), no memset.
 
 Only ``shipped`` is correct under every interleaving (the others are timing experiments).
+The edits match csrc/kvio_cuda.cu as of commit 02df8bc (run the probe in a checkout of it);
+h200-2026-12-05b holds its result, which made main raise the flags per group instead.
 
     python scripts/probe_signaled_publish.py      # on a CUDA machine; prints a markdown table
 """

@@ -13,7 +13,7 @@
 
 #include <stdint.h>
 
-#define KVIO_ABI_VERSION 3
+#define KVIO_ABI_VERSION 4
 
 /* A library may define KVIO_API before including this header (kvio_cuda: with extern "C",
  * so that a definition that does not match its prototype fails to compile). */

@@ -370,9 +370,8 @@ def test_a_signaled_load_of_every_layer_is_one_library_call_with_the_streams_sig
     buf = backend._signal_buffer(0, 3)
     assert (counters, flags) == (buf.counters, buf.flags)
     assert buf.capacity >= 3
-    for memory, size in ((buf.counter_memory, buf.capacity + 1),  # and the in-order cursor
-                         (buf.flag_memory, buf.capacity)):
-        assert memory.dtype == torch.int32 and memory.numel() == size
+    for memory in (buf.counter_memory, buf.flag_memory):
+        assert memory.dtype == torch.int32 and memory.numel() == buf.capacity
         assert not memory.any()  # fresh: all zero
     # the same stream, the same memory; every load raises the flags to a new epoch
     assert a2[10:12] == (counters, flags) and (epoch, a2[12]) == (1, 2)
@@ -436,17 +435,31 @@ def test_a_wait_goes_to_the_last_flag_of_its_group_once_per_group_and_stream() -
     backend.current = 7
     for layer in range(5):
         signals.wait_layer_current(layer)
-    # groups {0, 1}, {2, 3}, {4}: one wait each, on the group's last flag (the flags go up in
-    # layer order, so flag 1 means layers 0 and 1 are in)
+    # groups {0, 1}, {2, 3}, {4}: one wait each, on the group's last flag (a group's flags go
+    # up together, so flag 1 means layers 0 and 1 are in)
     assert lib.calls == [("wait", (flags + 4, e, 7)), ("wait", (flags + 12, e, 7)),
                          ("wait", (flags + 16, e, 7))]
     lib.calls.clear()
     signals.wait_layer(2, "other")  # another stream waits for itself
     signals.wait_layer(3, "other")
-    signals.wait_layer_current(0)  # stream 7 waits for layer 4 already, which covers layer 0
+    signals.wait_layer_current(0)  # stream 7 waited for layer 0's group already
     assert lib.calls == [("wait", (flags + 12, e, 11))]
     backend.run(job)  # the same load shape asks the library once
     assert [n for n, _ in lib.calls[1:]] == ["signaled"]
+
+
+def test_a_wait_for_a_later_group_does_not_cover_an_earlier_one() -> None:
+    """A group's flags cover that group only (ABI version 4): a stream that waited for a
+    later group first still waits for an earlier one."""
+    backend, lib, job = _grouping_rig(group=2, layers=5)
+    signals = backend.run(job)
+    lib.calls.clear()
+    flags, e = signals._flags, signals.epoch
+    backend.current = 7
+    for layer in (4, 3, 0, 2, 1):
+        signals.wait_layer_current(layer)
+    assert lib.calls == [("wait", (flags + 16, e, 7)), ("wait", (flags + 12, e, 7)),
+                         ("wait", (flags + 4, e, 7))]
 
 
 def test_a_wait_for_a_landed_layer_is_skipped_even_where_its_group_is_not_in() -> None:

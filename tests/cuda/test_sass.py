@@ -304,13 +304,14 @@ def test_ptxas_reports_no_spills(shipped: tuple[dict[str, str], str]) -> None:
 
 
 @pytest.mark.parametrize("kernel", [k for k in SIGNALED_KERNELS if "_v16_" in k])
-def test_signaled_kernels_copy_with_hinted_128_bit_accesses_and_publish_each_layer(
+def test_signaled_kernels_copy_with_hinted_128_bit_accesses_and_publish_each_group(
         shipped: tuple[dict[str, str], str], kernel: str) -> None:
     ops = opcodes(shipped[0][kernel])
     assert check_vector_copy(shipped[0][kernel], host_side_stores=False) == [], kernel
     # every thread fences its stores before its warp's count (fence.acq_rel.gpu), one lane
-    # counts (atomic add), the last count stores the flag with system-scope release (a
-    # MEMBAR.ALL.SYS, then a strong system store); no block barrier holds the warps back
+    # counts (atomic add), the warp whose count completes a group stores its layers' flags with
+    # system-scope release (a MEMBAR.ALL.SYS, then a strong system store); no block barrier
+    # holds the warps back
     assert not [o for o in ops if o.startswith("BAR.SYNC")]
     count = next(i for i, o in enumerate(ops) if o.startswith("ATOMG.E.ADD"))
     assert any(o == "MEMBAR.ALL.GPU" for o in ops[:count]), "no fence before the count"

@@ -111,10 +111,10 @@ def test_wait_layer_orders_the_current_stream_per_layer() -> None:
 
 @pytest.mark.parametrize("pages", [1, 3, 13])
 def test_each_wait_layer_covers_its_layer_when_layers_land_in_groups(pages: int) -> None:
-    """The signaled load raises its flags in layer order and wait_layer waits once per group
+    """The signaled load raises a group's flags together and wait_layer waits once per group
     of layers that land together: a consumer on the current stream right after wait_layer(i)
-    must still see layer i complete, load after load on one stream (so the in-order cursor
-    is reused), for load sizes whose waves end inside different layers."""
+    must still see layer i complete, load after load on one stream (so the group counters
+    are reused), for load sizes whose waves end inside different layers."""
     dev, host = _pools("page_first")
     ctl = HiCacheController(dev, host)
     assert ctl.plan(Op.LOAD_LAYER).backend_name == NATIVE

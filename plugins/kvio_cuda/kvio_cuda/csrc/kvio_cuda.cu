@@ -14,7 +14,7 @@
 //                           kernel has finished (see copy_body).
 //   kvio_load_layer_dma     (optional) one layer by the copy engine, runs of consecutive slots.
 //   kvio_load_layers_signaled  (optional) a per-layer load of every layer in one grid, layer
-//                           after layer, each layer publishing a ready flag;
+//                           after layer, each group of layers raising their ready flags;
 //                           kvio_wait_layer_signal makes a stream wait for one flag;
 //                           kvio_signaled_layer_group says how many layers land together.
 //   kvio_copy_to_device     (optional) one asynchronous copy of pinned host bytes to the
@@ -442,68 +442,28 @@ __device__ __forceinline__ void fence_acq_rel_gpu() {
     asm volatile("fence.acq_rel.gpu;" ::: "memory");
 }
 
-// Signals of one signaled load: per layer a tile counter, then the in-order cursor (zeroed
-// before each launch), and per layer a ready flag that is set to `epoch` once every tile of the
-// layer and of every layer before it is in the pool (publish_in_order).
+// Signals of one signaled load: the layers land in groups of `group` consecutive layers (one
+// wave of the grid, signaled_geometry); per group a count of the warps' tile parts that landed
+// (zeroed before each launch), and per layer a ready flag that is set to `epoch` once every
+// layer of its group is in the pool.
 struct Signals {
     uint32_t* counters;
     uint32_t* flags;
     uint32_t epoch;
+    uint32_t group;
 };
-
-__device__ __forceinline__ void fence_sc_gpu() { asm volatile("fence.sc.gpu;" ::: "memory"); }
-
-__device__ __forceinline__ uint32_t load_acquire_gpu(const uint32_t* p) {
-    uint32_t v;
-    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-    return v;
-}
-
-// Called by the warp whose count completed a layer. Raises the flags in layer order: the
-// flag of layer c goes up once layers 0..c have all landed, so a wait for flag c covers every
-// layer before it. counters[num_layers] is the cursor, the number of flags raised so far by
-// this load (the library zeroes it on the stream before each launch, so within one kernel it
-// only grows and a completer that read it earlier can never move it back). Whoever moves the
-// cursor past a completed layer (its counter at counts_per_layer) raises that layer's flag,
-// and goes on while the next layer is complete too; a layer that completes before the layers
-// ahead of it is raised by whoever raises the last of them. Nobody waits for anybody. Of a
-// completer and a raiser that stops at its layer, at least one sees the other (an SC fence
-// between each one's write, count or cursor, and its read of the other's), so no completed
-// layer is left unraised.
-__device__ void publish_in_order(const Signals& sig, uint32_t num_layers,
-                                 uint32_t counts_per_layer) {
-    uint32_t* cursor = sig.counters + num_layers;
-    fence_sc_gpu();  // this count before reading the others' counts and the cursor
-    uint32_t c = load_acquire_gpu(cursor);
-    while (c < num_layers) {
-        if (load_acquire_gpu(sig.counters + c) != counts_per_layer) {
-            fence_sc_gpu();  // the cursor this call moved before the last look at layer c
-            if (load_acquire_gpu(sig.counters + c) != counts_per_layer) {
-                break;  // layer c is not in yet: whoever completes it goes on from here
-            }
-        }
-        const uint32_t seen = atomicCAS(cursor, c, c + 1);
-        if (seen != c) {  // another completer moved the cursor: go on from where it is
-            c = seen;
-            continue;
-        }
-        sig.counters[c] = 0;  // ready for the next call on this stream
-        fence_acq_rel_gpu();  // every warp's stores of layer c (seen through its count) first
-        asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(sig.flags + c), "r"(sig.epoch)
-                     : "memory");
-        ++c;
-    }
-}
 
 // The signaled per-layer load (kvio_load_layers_signaled): every layer in one grid, layer
 // after layer. p describes ONE layer (its flat work is p.total vectors, layer_begin 0), so a
 // tile never spans two layers. Tiles go to blocks in order (grid-stride), so the layers land
 // in order, a wave of the grid at a time, without the launch gaps of one kernel per layer.
-// Each warp counts its part of a tile once its stores are fenced (no block barrier: the warps
-// of a block run on independently, as in copy_body); the warp whose count completes a
-// layer raises the flags of every layer complete in order up to it (publish_in_order), with
+// Each warp counts its part of a tile in its group's counter once its stores are fenced (no
+// block barrier: the warps of a block run on independently, as in copy_body); the warp whose
+// count completes a group raises the flags of the group's layers, one lane per flag, with
 // system-scope release, so a stream waiting on a flag (cuStreamWaitValue32) sees the data of
-// that layer and of every layer before it.
+// the whole group. The warp that completes a group never waits for another one: raising the
+// flags in layer order instead (one cursor over the layers) cost 3% of the rate, at every size
+// (h200-2026-12-05b).
 template <int VEC, typename IdxT>
 __device__ __forceinline__ void signaled_body(const CopyParams& p, int32_t num_layers,
                                               Signals sig) {
@@ -512,6 +472,7 @@ __device__ __forceinline__ void signaled_body(const CopyParams& p, int32_t num_l
     const uint64_t tiles_per_layer = (p.total + kTile - 1) / kTile;
     const uint64_t tiles = tiles_per_layer * static_cast<uint64_t>(num_layers);
     const uint32_t counts_per_layer = static_cast<uint32_t>(tiles_per_layer) * kWarps;
+    const uint32_t lane = threadIdx.x & 31;
     for (uint64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
         const uint64_t layer = t / tiles_per_layer;
         const IdxT base = static_cast<IdxT>((t - layer * tiles_per_layer) * kTile);
@@ -520,9 +481,21 @@ __device__ __forceinline__ void signaled_body(const CopyParams& p, int32_t num_l
         tile.store(p);
         fence_acq_rel_gpu();  // this thread's stores before the warp's count
         __syncwarp();
-        if ((threadIdx.x & 31) == 0 &&
-            atomicAdd(sig.counters + layer, 1u) + 1 == counts_per_layer) {
-            publish_in_order(sig, static_cast<uint32_t>(num_layers), counts_per_layer);
+        const uint32_t group = static_cast<uint32_t>(layer) / sig.group;
+        const uint32_t first = group * sig.group;
+        const uint32_t layers = min(sig.group, static_cast<uint32_t>(num_layers) - first);
+        uint32_t completed = 0;
+        if (lane == 0 && atomicAdd(sig.counters + group, 1u) + 1 == layers * counts_per_layer) {
+            fence_acq_rel_gpu();  // every other warp's stores (seen through its count) first
+            completed = 1;
+        }
+        if (__shfl_sync(0xffffffffu, completed, 0) != 0) {
+            __syncwarp();  // lane 0's fence before every lane's flag
+            for (uint32_t l = lane; l < layers; l += 32) {
+                asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(sig.flags + first + l),
+                             "r"(sig.epoch)
+                             : "memory");
+            }
         }
     }
 }
@@ -1353,11 +1326,14 @@ cudaError_t transfer_direct(int direction, const uint64_t* k_ptrs, const uint64_
                        guard.device(), chained, s);
 }
 
-// The launch of a signaled load: vector width, tiles per layer and grid (plans `p`).
+// The launch of a signaled load: vector width, tiles per layer, grid (plans `p`) and how many
+// consecutive layers land together: the first wave of the grid moves that many (its blocks
+// take the tiles in order), and so does each later wave (1 to num_layers).
 struct SignaledGeometry {
     int vec = 0;
     uint64_t tiles_per_layer = 0;
     unsigned grid = 0;
+    uint32_t group = 1;
 };
 
 cudaError_t signaled_geometry(CopyParams& p, int num_kv, int64_t n_tokens, int32_t num_layers,
@@ -1373,6 +1349,9 @@ cudaError_t signaled_geometry(CopyParams& p, int num_kv, int64_t n_tokens, int32
     DeviceInfo info;
     KVIO_CHECK(device_info(device, &info));
     out->grid = grid_size(info, tiles);
+    const uint64_t per_wave = out->grid / out->tiles_per_layer;
+    const uint64_t layers = static_cast<uint64_t>(num_layers);
+    out->group = static_cast<uint32_t>(per_wave < 1 ? 1 : per_wave < layers ? per_wave : layers);
     return cudaSuccess;
 }
 
@@ -1393,9 +1372,9 @@ cudaError_t check_signaled(const uint64_t* k_ptrs, int32_t num_layers, void* hos
 }
 
 // The signaled per-layer load: all layers in one grid, layer by layer (signaled_body), on
-// `stream`. counters (device, num_layers + 1: the tile counters, then the cursor) are zeroed
-// by a memset on the stream before the launch; flags[l] (num_layers) becomes `epoch` once
-// layers 0..l have landed.
+// `stream`. counters (device, num_layers: one per group) are zeroed by a memset on the stream
+// before the launch; flags[l] (num_layers) becomes `epoch` once every layer of l's group
+// (signaled_geometry) has landed.
 cudaError_t load_layers_signaled(const uint64_t* k_ptrs, const uint64_t* v_ptrs,
                                  int32_t num_layers, void* host_base,
                                  const kvio_layout& layout, const void* host_idx,
@@ -1418,18 +1397,16 @@ cudaError_t load_layers_signaled(const uint64_t* k_ptrs, const uint64_t* v_ptrs,
     SignaledGeometry g;
     KVIO_CHECK(signaled_geometry(p, v_ptrs != nullptr ? 2 : 1, n_tokens, num_layers,
                                  layout.num_chunks, guard.device(), &g));
-    // every launch starts from zero counts and a zero in-order cursor (publish_in_order),
-    // whatever loads of other layer counts left in this memory
-    KVIO_CHECK(cudaMemsetAsync(counters, 0, (size_t(num_layers) + 1) * sizeof(uint32_t), s));
-    const Signals sig = {counters, flags, epoch};
+    // every launch starts from zero counts, whatever loads of other sizes left in this memory
+    KVIO_CHECK(cudaMemsetAsync(counters, 0, size_t(num_layers) * sizeof(uint32_t), s));
+    const Signals sig = {counters, flags, epoch, g.group};
     const SignaledKernel kernel = kSignaledKernels[log2_exact(g.vec)][needs_wide_index(p.total)];
     kernel<<<g.grid, kThreads, 0, s>>>(p, num_layers, sig);
     return cudaGetLastError();
 }
 
-// How many consecutive layers the first wave of a signaled load's grid moves (1 to
-// num_layers): its blocks take the tiles in order, so those layers land together, and so do
-// the layers of each later wave.
+// How many consecutive layers of a signaled load land together (SignaledGeometry::group): the
+// flags of a group go up at once.
 cudaError_t signaled_layer_group(const uint64_t* k_ptrs, const uint64_t* v_ptrs,
                                  int32_t num_layers, void* host_base, const kvio_layout& layout,
                                  int64_t n_tokens, void* stream, int32_t* group) {
@@ -1444,9 +1421,7 @@ cudaError_t signaled_layer_group(const uint64_t* k_ptrs, const uint64_t* v_ptrs,
     SignaledGeometry g;
     KVIO_CHECK(signaled_geometry(p, v_ptrs != nullptr ? 2 : 1, n_tokens, num_layers,
                                  layout.num_chunks, guard.device(), &g));
-    const uint64_t per_wave = g.grid / g.tiles_per_layer;
-    const uint64_t layers = static_cast<uint64_t>(num_layers);
-    *group = static_cast<int32_t>(per_wave < 1 ? 1 : per_wave < layers ? per_wave : layers);
+    *group = static_cast<int32_t>(g.group);
     return cudaSuccess;
 }
 
