@@ -202,6 +202,16 @@ def _staged_args(k_ptrs: int, v_ptrs: int | None, num_layers: int, host_base: in
 
 _c = ctypes
 _BOUNDS_P = ctypes.POINTER(KvioBounds)
+#: the host buffer and the index arguments of the kernels that read the indices on the device
+_INDEXED = (
+    _c.c_void_p,    # host_base
+    KvioLayout,     # layout (by value)
+    _c.c_void_p,    # host_idx
+    _c.c_int,       # host_idx_64
+    _c.c_void_p,    # dev_idx
+    _c.c_int,       # dev_idx_64
+    _c.c_int64,     # n_tokens
+)
 #: name -> (restype, argtypes) of every function the library exports
 PROTOTYPES: dict[str, tuple[Any, tuple[Any, ...]]] = {
     "kvio_abi_version": (_c.c_int, ()),
@@ -213,13 +223,7 @@ PROTOTYPES: dict[str, tuple[Any, tuple[Any, ...]]] = {
         _c.c_void_p,    # v_ptrs
         _c.c_int32,     # layer_begin
         _c.c_int32,     # layer_count
-        _c.c_void_p,    # host_base
-        KvioLayout,     # layout (by value)
-        _c.c_void_p,    # host_idx
-        _c.c_int,       # host_idx_64
-        _c.c_void_p,    # dev_idx
-        _c.c_int,       # dev_idx_64
-        _c.c_int64,     # n_tokens
+        *_INDEXED,
         _c.c_void_p,    # stream
         _BOUNDS_P,      # bounds (const kvio_bounds*, read during the call)
     )),
@@ -266,13 +270,7 @@ OPTIONAL_PROTOTYPES: dict[str, tuple[Any, tuple[Any, ...]]] = {
         _c.c_void_p,    # k_ptrs
         _c.c_void_p,    # v_ptrs
         _c.c_int32,     # num_layers
-        _c.c_void_p,    # host_base
-        KvioLayout,     # layout (by value)
-        _c.c_void_p,    # host_idx
-        _c.c_int,       # host_idx_64
-        _c.c_void_p,    # dev_idx
-        _c.c_int,       # dev_idx_64
-        _c.c_int64,     # n_tokens
+        *_INDEXED,
         _c.c_void_p,    # counters (uint32 x num_layers, device; zeroed by the call)
         _c.c_void_p,    # flags (uint32 x num_layers, device memory or pinned host memory)
         _c.c_uint32,    # epoch
