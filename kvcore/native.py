@@ -346,18 +346,21 @@ class NativeBackend:
     def _staged_async_runner(self, job: TransferJob, run_staged: Runner, k_ptrs: int | None,
                              v_ptrs: int | None, host_base: int | None,
                              layout: KvioLayout) -> Runner:
-        """The staged write-back runner that hands each transfer of at least
-        :data:`ASYNC_WRITE_BACK_MIN_BYTES` ordered after another stream (``after``: the
-        controller's caller) to the library's thread
-        (``kvio_write_back_staged_async``): the caller pays for the checks and the handover,
-        the thread for the runtime calls, and the returned :class:`NativeJob` tells its
-        completion. It orders the transfer after ``after`` itself (``follows``), so a bound
-        plan passes that stream instead of fencing. Without ``after`` (the plan API: the
-        transfer must be on ``stream`` when the submit returns), or below that size,
-        ``run_staged`` (the synchronous runner) enqueues it here."""
+        """The staged write-back runner for transfers ordered after another stream (``after``:
+        the controller's caller), which it orders itself (``follows``), so a bound plan
+        passes that stream instead of fencing. One of at least
+        :data:`ASYNC_WRITE_BACK_MIN_BYTES` goes to the library's thread
+        (``kvio_write_back_staged_async``: the caller pays for the checks and the handover,
+        the thread for the runtime calls); a smaller one is issued here through
+        ``kvio_write_back_staged_after`` where the library has it (its host copy overlaps the
+        next write-back's gather), else after a fence through ``run_staged``. Either returns
+        a :class:`NativeJob` that tells its completion. Without ``after`` (the plan API: the
+        transfer must be on ``stream`` in stream order when the submit returns)
+        ``run_staged`` (the synchronous runner) enqueues it."""
         lib = self.lib
         unchecked = lib.unchecked  # type: ignore[attr-defined]
         handed = unchecked("kvio_write_back_staged_async")
+        overlapped = self.optional_unchecked("kvio_write_back_staged_after")
         flush_at_exit(lib)
         issue, raw, staging_of = self._reports().issue, self.stream_handle, self.staging
         num_layers, batched = job.host_geometry.num_layers, int(self.use_batched)
@@ -373,18 +376,22 @@ class NativeBackend:
                              after: Any = None) -> NativeJob | BoundsCompletion:
             if after is None:
                 return run_staged(h, d, layer, stream, chained)
-            if h.numel() < handed_from:  # small: issued here, after the caller's stream
+            if h.numel() >= handed_from:
+                call, function = handed, "kvio_write_back_staged_async"
+            elif overlapped is not None:
+                call, function = overlapped, "kvio_write_back_staged_after"
+            else:  # small, and no overlapped form: issued here, after the caller's stream
                 fence.order(stream, after)
                 return run_staged(h, d, layer, stream, chained)
             s = raw(stream)
             done = issue(host_tokens, device_tokens, op)
             staging = staging_of(s)
             out = ctypes.c_void_p()
-            handed(k_ptrs, v_ptrs, num_layers, host_base, layout, h.data_ptr() or None,
-                   d.data_ptr() or None, 1 if d.dtype is int64 else 0, h.numel(),
-                   staging.data_ptr(), staging.numel(), batched, s or None, raw(after) or None,
-                   done.bounds, ctypes.byref(out))
-            return NativeJob(lib, out.value or 0, done, (h, d, staging))
+            call(k_ptrs, v_ptrs, num_layers, host_base, layout, h.data_ptr() or None,
+                 d.data_ptr() or None, 1 if d.dtype is int64 else 0, h.numel(),
+                 staging.data_ptr(), staging.numel(), batched, s or None, raw(after) or None,
+                 done.bounds, ctypes.byref(out))
+            return NativeJob(lib, out.value or 0, done, (h, d, staging), function)
 
         run_staged_async.follows = True  # type: ignore[attr-defined]
         return run_staged_async
@@ -470,7 +477,7 @@ class NativeBackend:
 
 class SignalBuffer:
     """The signal memory of the signaled loads of one stream: ``capacity`` tile counters in
-    device memory (the library zeroes them before each load), ``capacity`` ready flags (flag
+    device memory (zero; each load leaves them zero), ``capacity`` ready flags (flag
     l: every layer of l's group has landed) and the epoch the last load raised them to.
     Loads on one stream run in order, so the flags only grow (cyclically, as the wait
     compares them); epoch 0 is the fresh memory's and never handed out first.
@@ -483,8 +490,8 @@ class SignalBuffer:
 
     def __init__(self, device: torch.device, capacity: int) -> None:
         self.capacity = capacity
-        # a tile counter per group of layers (the library zeroes what a load uses on its
-        # stream before the launch)
+        # a tile counter per group of layers (zero before the first load; the library leaves
+        # them zero after each)
         self.counter_memory = torch.zeros(capacity, dtype=torch.int32, device=device)
         self.flag_memory = torch.zeros(capacity, dtype=torch.int32,
                                        pin_memory=has_streams(device))
@@ -603,9 +610,9 @@ class BoundsCompletion:
 
 #: ``KVCORE_ASYNC_WRITE_BACK``: how a staged write-back through the controller is issued
 WRITE_BACK_MODES = {
-    "0": "every write-back by the caller (kvio_write_back_staged)",
-    "1": "from ASYNC_WRITE_BACK_MIN_BYTES by the library's thread, smaller by the caller "
-         "(the default)",
+    "0": "every write-back by the caller, in stream order (kvio_write_back_staged)",
+    "1": "from ASYNC_WRITE_BACK_MIN_BYTES by the library's thread, smaller by the caller with "
+         "its host copy overlapping the next one's gather (the default)",
 }
 
 

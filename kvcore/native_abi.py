@@ -19,8 +19,8 @@ from typing import Any
 
 from kvcore.errors import BuildError, DeviceFault, InvalidArgument, KernelError
 
-__all__ = ["ABI_HEADER", "ABI_VERSION", "ASYNC_WRITE_FUNCTIONS", "INCLUDE_DIR",
-           "JOB_PENDING", "REPORT_BYTES", "KvioBounds",
+__all__ = ["ABI_HEADER", "ABI_VERSION", "AFTER_WRITE_FUNCTIONS", "ASYNC_WRITE_FUNCTIONS",
+           "INCLUDE_DIR", "JOB_PENDING", "REPORT_BYTES", "KvioBounds",
            "KvioLayout", "KvioReport", "NativeLibrary", "OPTIONAL_PROTOTYPES", "PROTOTYPES",
            "make_bounds", "make_layout", "unchecked_bounds"]
 
@@ -308,6 +308,14 @@ OPTIONAL_PROTOTYPES: dict[str, tuple[Any, tuple[Any, ...]]] = {
         _BOUNDS_P,      # bounds
         _c.POINTER(_c.c_void_p),  # job (out)
     )),
+    # the same, issued by the caller before it returns (the host copy of a small one
+    # overlaps the next one's gather)
+    "kvio_write_back_staged_after": (_c.c_int, (
+        *PROTOTYPES["kvio_write_back_staged"][1][:-1],
+        _c.c_void_p,    # after_stream
+        _BOUNDS_P,      # bounds
+        _c.POINTER(_c.c_void_p),  # job (out)
+    )),
     "kvio_job_status": (_c.c_int, (_c.c_void_p,)),
     "kvio_job_wait": (_c.c_int, (_c.c_void_p,)),
     "kvio_job_release": (None, (_c.c_void_p,)),
@@ -317,6 +325,9 @@ OPTIONAL_PROTOTYPES: dict[str, tuple[Any, tuple[Any, ...]]] = {
 #: the optional functions that together make the asynchronous staged write-back
 ASYNC_WRITE_FUNCTIONS = frozenset({"kvio_write_back_staged_async", "kvio_job_status",
                                    "kvio_job_wait", "kvio_job_release", "kvio_jobs_flush"})
+#: the optional functions that together make the overlapped staged write-back
+AFTER_WRITE_FUNCTIONS = frozenset({"kvio_write_back_staged_after", "kvio_job_status",
+                                   "kvio_job_wait", "kvio_job_release"})
 #: what kvio_job_status / kvio_job_wait return for a job not yet finished (KVIO_JOB_PENDING)
 JOB_PENDING = -1
 
@@ -423,6 +434,11 @@ class NativeLibrary:
         """Whether the library exports the asynchronous staged write-back and its job
         functions (:meth:`write_back_staged_async`)."""
         return ASYNC_WRITE_FUNCTIONS <= self.optional
+
+    def has_overlapped_write_back(self) -> bool:
+        """Whether the library exports the overlapped staged write-back and the job
+        functions it reports through (:meth:`write_back_staged_after`)."""
+        return AFTER_WRITE_FUNCTIONS <= self.optional
 
     def error_string(self, code: int) -> str:
         """The runtime's message for status ``code``."""
@@ -551,12 +567,41 @@ class NativeLibrary:
         The host indices are copied; ``dev_idx``, ``staging`` and the pools must stay valid
         until the job finished. Raises BuildError when the library lacks the functions.
         """
-        function = "kvio_write_back_staged_async"
-        if not self.has_async_write_back():
+        return self._staged_job("kvio_write_back_staged_async", self.has_async_write_back(),
+                                k_ptrs, v_ptrs, num_layers, host_base, layout, host_idx_cpu,
+                                dev_idx, dev_idx_64, n_tokens, staging, staging_bytes,
+                                use_batched, stream, after_stream, bounds)
+
+    def write_back_staged_after(self, k_ptrs: int, v_ptrs: int | None, num_layers: int,
+                                host_base: int, layout: KvioLayout | Mapping[str, int],
+                                host_idx_cpu: int, dev_idx: int, dev_idx_64: int,
+                                n_tokens: int, staging: int, staging_bytes: int,
+                                use_batched: int | bool, stream: int | None,
+                                after_stream: int | None,
+                                bounds: KvioBounds | None = None) -> int:
+        """``kvio_write_back_staged_after`` (optional): :meth:`write_back_staged_async`,
+        issued before the call returns. One that fits half the staging buffer (and is below
+        the pipelining size) copies to the host on the buffer's own copy stream, overlapping
+        the next one's gather; the returned job completes after that copy. Raises BuildError
+        when the library lacks the functions.
+        """
+        return self._staged_job("kvio_write_back_staged_after",
+                                self.has_overlapped_write_back(), k_ptrs, v_ptrs, num_layers,
+                                host_base, layout, host_idx_cpu, dev_idx, dev_idx_64, n_tokens,
+                                staging, staging_bytes, use_batched, stream, after_stream,
+                                bounds)
+
+    def _staged_job(self, function: str, offered: bool, k_ptrs: int, v_ptrs: int | None,
+                    num_layers: int, host_base: int, layout: KvioLayout | Mapping[str, int],
+                    host_idx_cpu: int, dev_idx: int, dev_idx_64: int, n_tokens: int,
+                    staging: int, staging_bytes: int, use_batched: int | bool,
+                    stream: int | None, after_stream: int | None,
+                    bounds: KvioBounds | None) -> int:
+        if not offered:
             raise BuildError(f"{self._where()} does not export {function} and the job "
                              f"functions (rebuild the {self.name} library)")
         job = ctypes.c_void_p()
-        self.check(function, self._lib.kvio_write_back_staged_async(
+        self.check(function, getattr(self._lib, function)(
             *_staged_args(k_ptrs, v_ptrs, num_layers, host_base, layout, host_idx_cpu, dev_idx,
                           dev_idx_64, n_tokens, staging, staging_bytes, use_batched, stream),
             _ptr("after_stream", after_stream), _bounds(bounds), ctypes.byref(job)))

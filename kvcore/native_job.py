@@ -1,9 +1,12 @@
-"""Transfers a native library issues on its own thread (``kvio_write_back_staged_async``).
+"""Transfers whose completion the native library tracks: issued on its own thread
+(``kvio_write_back_staged_async``), or by the caller with work on a stream of the library's
+own (``kvio_write_back_staged_after``).
 
-The caller's thread only checks the arguments and hands the transfer over; a library thread
-makes the runtime calls (dozens for a large staged write-back). A :class:`NativeJob` is such a
-transfer's completion: it is what the submission's event is for a synchronous transfer
-(``query``/``synchronize``) and its completion check in one (``check``).
+For the thread, the caller's thread only checks the arguments and hands the transfer over;
+a library thread makes the runtime calls (dozens for a large staged write-back). A
+:class:`NativeJob` is such a transfer's completion: it is what the submission's event is for
+a synchronous transfer (``query``/``synchronize``) and its completion check in one
+(``check``).
 """
 
 from __future__ import annotations
@@ -29,7 +32,8 @@ def flush_at_exit(lib: Any) -> None:
 
 
 class NativeJob:
-    """One transfer handed to the library's thread (``kvio_write_back_staged_async``).
+    """One transfer the library reports on through a job handle (``function``: the call
+    that made it, ``kvio_write_back_staged_async`` or ``kvio_write_back_staged_after``).
 
     ``query()`` is True once the job has finished: issued and completed, or failed.
     ``synchronize()`` blocks until then. ``check()`` raises what failed it: the library's
@@ -39,10 +43,12 @@ class NativeJob:
     must never outlive the memory it reads and writes.
     """
 
-    __slots__ = ("_done", "_handle", "_keep", "_lib", "_status")
+    __slots__ = ("_done", "_function", "_handle", "_keep", "_lib", "_status")
 
-    def __init__(self, lib: Any, handle: int, done: Any, keep: tuple[Any, ...]) -> None:
+    def __init__(self, lib: Any, handle: int, done: Any, keep: tuple[Any, ...],
+                 function: str = "kvio_write_back_staged_async") -> None:
         self._lib = lib
+        self._function = function
         self._handle: int | None = handle
         self._done = done
         self._keep: tuple[Any, ...] | None = keep
@@ -68,7 +74,7 @@ class NativeJob:
     def check(self) -> None:
         self.synchronize()
         if self._status:
-            self._lib.check("kvio_write_back_staged_async", self._status)
+            self._lib.check(self._function, self._status)
         self._done.check()
 
     def __del__(self) -> None:

@@ -6,7 +6,7 @@ The same submit of every layer (one signaled grid, indices placed on the device)
 events over back-to-back calls, against one contiguous copy of the same bytes:
 
 - ``shipped``: ready flags in pinned host memory, counters zeroed by a memset before each
-  launch (what main does);
+  launch (what main did then; the kernel now leaves them zero itself);
 - ``device flags``: the flags in device memory (as at h200-2026-12-04), nothing else changed;
 - ``per-layer launches``: the same load as one plain copy launch per layer (no signals).
 

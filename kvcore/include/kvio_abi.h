@@ -141,6 +141,20 @@ KVIO_API int kvio_write_back_staged_async(const uint64_t* k_ptrs, const uint64_t
                                           int64_t staging_bytes, int use_batched, void* stream,
                                           void* after_stream, const kvio_bounds* bounds,
                                           void** job);
+/* kvio_write_back_staged_after (optional, with the job functions): the same call as
+ * kvio_write_back_staged_async, issued by the calling thread before it returns. A write-back
+ * below the pipelining size that fits half the staging buffer gathers on `stream` into the
+ * half the previous one did not use and copies to the host on a copy stream of the staging
+ * buffer's own, so consecutive write-backs overlap; the job completes after that copy.
+ * Every later staged transfer through the same buffer waits for it first. */
+KVIO_API int kvio_write_back_staged_after(const uint64_t* k_ptrs, const uint64_t* v_ptrs,
+                                          int32_t num_layers, void* host_base,
+                                          kvio_layout layout, const int64_t* host_idx_cpu,
+                                          const void* dev_idx, int dev_idx_64,
+                                          int64_t n_tokens, void* staging,
+                                          int64_t staging_bytes, int use_batched, void* stream,
+                                          void* after_stream, const kvio_bounds* bounds,
+                                          void** job);
 KVIO_API int kvio_job_status(void* job);
 KVIO_API int kvio_job_wait(void* job);
 KVIO_API void kvio_job_release(void* job);

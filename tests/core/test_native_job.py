@@ -50,10 +50,11 @@ class JobLibrary:
     def unchecked(self, function: str, last: Any = None) -> Any:
         if function == "kvio_write_back_staged":
             return lambda *args: self.handed.append(("synchronous", *args))  # type: ignore
-        assert function == "kvio_write_back_staged_async"
+        assert function in self.optional
+        both = len(self.optional) > 1  # then each record names its function
 
         def call(*args: Any) -> None:
-            self.handed.append(args)
+            self.handed.append((function, *args) if both else args)
             job = self.next_job
             self.next_job += 0x10
             self.status[job] = JOB_PENDING
@@ -221,6 +222,29 @@ def test_a_write_back_below_the_size_worth_a_handover_is_enqueued_by_the_caller(
     assert isinstance(run(torch.arange(16), torch.arange(16), None, None, False, "caller"),
                       NativeJob)
     assert [args[0] == "synchronous" for args in lib.handed] == [True, False]
+
+
+def test_a_small_write_back_goes_through_the_overlapped_call_where_the_library_has_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Below the handover size a library with kvio_write_back_staged_after gets the transfer
+    with the caller's stream to follow, and its job is the completion (no fence, no event of
+    kvcore's); without ``after`` (the plan API) it stays in stream order."""
+    token_bytes = 2 * 3 * 2 * 64 * 2
+    monkeypatch.setattr("kvcore.native.ASYNC_WRITE_BACK_MIN_BYTES", 16 * token_bytes)
+    lib = JobLibrary()
+    lib.optional = ("kvio_write_back_staged_async", "kvio_write_back_staged_after")
+    run, *_ = _runner(lib)
+    small = run(torch.arange(15), torch.arange(15), None, None, False, "caller")
+    large = run(torch.arange(16), torch.arange(16), None, None, False, "caller")
+    plan_api = run(torch.arange(15), torch.arange(15), None, None, False)
+    assert isinstance(small, NativeJob) and isinstance(large, NativeJob)
+    assert not isinstance(plan_api, NativeJob)
+    assert [args[0] for args in lib.handed] == [
+        "kvio_write_back_staged_after", "kvio_write_back_staged_async", "synchronous"]
+    assert lib.handed[0][13:15] == (5, 9)  # its stream, the caller's stream to follow
+    lib.status[0x100] = 700
+    with pytest.raises(KernelError, match="kvio_write_back_staged_after"):
+        small.check()
 
 
 @pytest.mark.parametrize("value", ["2", "yes", "inline", "off"])

@@ -72,8 +72,10 @@ def test_what_each_controller_call_asks_of_the_runtime() -> None:
     fenced = "event.record 2, {}stream.current 1, stream.wait_event 1{}"
     load = fenced.format("kvio_copy_to_device 1, kvio_load_layers_signaled 1, ",
                          ", tensor.record_stream 1")
+    # 8 MiB: issued by the caller, which the library orders after the caller's stream and
+    # whose completion it records itself (kvio_write_back_staged_after)
     assert rows[("mha", "page_first", "1")] == [
-        fenced.format("kvio_write_back_staged 1, ", ""), load, WAITS]
+        "kvio_write_back_staged_after 1, stream.current 1", load, WAITS]
     # 128 MiB: handed to the library's thread, which records the caller's point itself
     assert rows[("mha", "page_first", "16")][0] == (
         "kvio_write_back_staged_async 1, stream.current 1")

@@ -739,13 +739,18 @@ def test_real_library_staged_transfers_refuse_bad_arguments_before_any_cuda_call
     assert staged(1, 0, 32, 1, layout, 1, 1, 0, 0, 1, 1 << 30, 1, None, BOUNDS) == 0
 
 
+JOB_WRITE_BACKS = ("kvio_write_back_staged_async", "kvio_write_back_staged_after")
+
+
+@pytest.mark.parametrize("function", JOB_WRITE_BACKS)
 def test_real_library_job_write_back_refuses_what_the_staged_one_refuses_and_issues_nothing(
-        real_library: _native.NativeLibrary) -> None:
-    """kvio_write_back_staged_async (handed to the thread) checks as kvio_write_back_staged
-    does: an error hands out no job and enqueues nothing."""
+        real_library: _native.NativeLibrary, function: str) -> None:
+    """kvio_write_back_staged_async (handed to the thread) and _after (issued by the caller)
+    check as kvio_write_back_staged does: an error hands out no job and enqueues nothing."""
     assert real_library.has_async_write_back()
+    assert real_library.has_overlapped_write_back()
     raw = real_library._lib
-    call = raw.kvio_write_back_staged_async
+    call = getattr(raw, function)
     layout = _native.KvioLayout.from_fields(LAYOUT)
     job = ctypes.c_void_p(0xDEAD)
 
@@ -767,28 +772,30 @@ def test_real_library_job_write_back_refuses_what_the_staged_one_refuses_and_iss
     assert job.value not in (None, 0xDEAD)
     assert raw.kvio_job_status(job) == 0 and raw.kvio_job_wait(job) == 0
     raw.kvio_job_release(job)
-    with pytest.raises(KernelError, match=r"kvio_write_back_staged_async: invalid argument"):
-        real_library.write_back_staged_async(1, 0, 32, 1, LAYOUT, 1, 1, 0, 63, 1, 1 << 30, 1,
-                                             None, None)
+    method = getattr(real_library, function.removeprefix("kvio_"))
+    with pytest.raises(KernelError, match=rf"{function}: invalid argument"):
+        method(1, 0, 32, 1, LAYOUT, 1, 1, 0, 63, 1, 1 << 30, 1, None, None)
 
 
-def test_the_job_write_back_is_refused_by_a_library_without_it() -> None:
+@pytest.mark.parametrize("function", JOB_WRITE_BACKS)
+def test_the_job_write_back_is_refused_by_a_library_without_it(function: str) -> None:
     lib = _native.NativeLibrary("fake.so", lib=FakeDmaLib())
-    assert not lib.has_async_write_back()
-    with pytest.raises(BuildError,
-                       match="does not export kvio_write_back_staged_async and the job functions"):
-        lib.write_back_staged_async(1, 0, 32, 1, LAYOUT, 1, 1, 0, 64, 1, 1 << 30, 1, None, None)
+    assert not lib.has_async_write_back() and not lib.has_overlapped_write_back()
+    with pytest.raises(BuildError, match=f"does not export {function} and the job functions"):
+        getattr(lib, function.removeprefix("kvio_"))(1, 0, 32, 1, LAYOUT, 1, 1, 0, 64, 1,
+                                                    1 << 30, 1, None, None)
 
 
-def test_real_library_async_write_back_refuses_an_out_of_range_cpu_host_index(
-        real_library: _native.NativeLibrary, no_gpu: None) -> None:
+@pytest.mark.parametrize("function", JOB_WRITE_BACKS)
+def test_real_library_job_write_back_refuses_an_out_of_range_cpu_host_index(
+        real_library: _native.NativeLibrary, no_gpu: None, function: str) -> None:
     layout = _native.KvioLayout.from_fields(LAYOUT)
     host_idx = (ctypes.c_int64 * 128)(*range(64, 192))
     dev_idx = (ctypes.c_int64 * 128)()
     job = ctypes.c_void_p()
 
     def call(host_tokens: int) -> int:
-        return real_library._lib.kvio_write_back_staged_async(
+        return getattr(real_library._lib, function)(  # type: ignore[no-any-return]
             1, 0, 32, 1, layout, ctypes.addressof(host_idx), ctypes.addressof(dev_idx), 1,
             128, 1, 1 << 30, 1, None, None, _bounds(host_tokens, 1 << 20), ctypes.byref(job))
 

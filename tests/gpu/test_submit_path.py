@@ -282,3 +282,32 @@ def test_a_write_copies_what_the_callers_stream_wrote_before_the_call(
         for now, new in zip(dev.all_buffers(), fresh, strict=True):
             assert torch.equal(now[dst].view(torch.uint8),
                                new[ack.device_indices].view(torch.uint8))
+
+
+def test_back_to_back_write_backs_of_mixed_sizes_each_land_whole(
+        gen: torch.Generator, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Small write-backs overlap: the next one gathers into the other half of the staging
+    buffer while the previous one's host copy runs on the buffer's copy stream. Queued back to
+    back between write-backs that the library's thread issues through the same buffer (one
+    of them pipelined through all of it), each must land whole where its ack says."""
+    page_bytes = 2 * LAYERS * 64 * HEADS * HEAD_DIM * 2  # K and V of one page: 1 MiB
+    monkeypatch.setattr("kvcore.native.ASYNC_WRITE_BACK_MIN_BYTES", 4 * page_bytes)
+    dev, host = _pools(Kind.MHA, Layout.PAGE_FIRST, 64, gen)
+    ctl = HiCacheController(dev, host)
+    source = [t.clone() for t in dev.all_buffers()]
+    order = torch.randperm(DEVICE_PAGES, generator=gen)
+    sizes = [1, 2, 1, 16, 1, 3]  # 16 pages: 16 MiB, pipelined by the thread
+    assert sum(sizes) == DEVICE_PAGES
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    torch.cuda.synchronize()
+    acks = [ctl.write(_tokens(order[s:s + n].to(DEVICE), 64))
+            for s, n in zip(starts, sizes, strict=True)]
+    done = ctl.wait_acks()
+    assert [a.id for a in done] == [a.id for a in acks]
+    for t in dev.all_buffers():  # poison: only the loads below can bring the values back
+        random_fill(t, gen)
+    for ack in done:
+        ctl.load(ack.host_indices, ack.device_indices, all_layers=True).wait()
+    torch.cuda.synchronize()
+    for now, was in zip(dev.all_buffers(), source, strict=True):
+        assert torch.equal(now.view(torch.uint8), was.view(torch.uint8))

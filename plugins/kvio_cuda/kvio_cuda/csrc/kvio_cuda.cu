@@ -19,6 +19,9 @@
 //                           kvio_signaled_layer_group says how many layers land together.
 //   kvio_copy_to_device     (optional) one asynchronous copy of pinned host bytes to the
 //                           device (the index ring's upload, without torch's dispatch).
+//   kvio_write_back_staged_async / _after  (optional) the staged write-back as a job: issued
+//                           by a library thread, or by the caller with its host copy
+//                           overlapping the next write-back's gather.
 //
 // The geometry comes from Python (kvcore.layout); the kernels never derive it. Everything
 // here returns a cudaError_t as int (0 = success) and checks every runtime call.
@@ -444,7 +447,7 @@ __device__ __forceinline__ void fence_acq_rel_gpu() {
 
 // Signals of one signaled load: the layers land in groups of `group` consecutive layers (one
 // wave of the grid, signaled_geometry); per group a count of the warps' tile parts that landed
-// (zeroed before each launch), and per layer a ready flag that is set to `epoch` once every
+// (zero at the launch; the warp that completes the group zeroes it again), and per layer a ready flag that is set to `epoch` once every
 // layer of its group is in the pool.
 struct Signals {
     uint32_t* counters;
@@ -487,6 +490,7 @@ __device__ __forceinline__ void signaled_body(const CopyParams& p, int32_t num_l
         uint32_t completed = 0;
         if (lane == 0 && atomicAdd(sig.counters + group, 1u) + 1 == layers * counts_per_layer) {
             fence_acq_rel_gpu();  // every other warp's stores (seen through its count) first
+            atomicExch(sig.counters + group, 0u);  // the last count: zero for the next load
             completed = 1;
         }
         if (__shfl_sync(0xffffffffu, completed, 0) != 0) {
@@ -1372,8 +1376,8 @@ cudaError_t check_signaled(const uint64_t* k_ptrs, int32_t num_layers, void* hos
 }
 
 // The signaled per-layer load: all layers in one grid, layer by layer (signaled_body), on
-// `stream`. counters (device, num_layers: one per group) are zeroed by a memset on the stream
-// before the launch; flags[l] (num_layers) becomes `epoch` once every layer of l's group
+// `stream`. counters (device, num_layers: one per group) are zero at the launch and left zero
+// (a memset per launch cost the caller a runtime call); flags[l] (num_layers) becomes `epoch` once every layer of l's group
 // (signaled_geometry) has landed.
 cudaError_t load_layers_signaled(const uint64_t* k_ptrs, const uint64_t* v_ptrs,
                                  int32_t num_layers, void* host_base,
@@ -1397,8 +1401,6 @@ cudaError_t load_layers_signaled(const uint64_t* k_ptrs, const uint64_t* v_ptrs,
     SignaledGeometry g;
     KVIO_CHECK(signaled_geometry(p, v_ptrs != nullptr ? 2 : 1, n_tokens, num_layers,
                                  layout.num_chunks, guard.device(), &g));
-    // every launch starts from zero counts, whatever loads of other sizes left in this memory
-    KVIO_CHECK(cudaMemsetAsync(counters, 0, size_t(num_layers) * sizeof(uint32_t), s));
     const Signals sig = {counters, flags, epoch, g.group};
     const SignaledKernel kernel = kSignaledKernels[log2_exact(g.vec)][needs_wide_index(p.total)];
     kernel<<<g.grid, kThreads, 0, s>>>(p, num_layers, sig);
@@ -1473,16 +1475,84 @@ cudaError_t check_staged(int direction, const uint64_t* k_ptrs, const uint64_t* 
     return cudaSuccess;
 }
 
+// What a staging buffer's users share across calls: the host copies of overlapped
+// write-backs (kvio_write_back_staged_after) run on a copy stream of the buffer's own, so
+// the next write-back's gather (on the caller's stream, into the other half) overlaps the
+// previous one's copy. Every other staged transfer through the buffer first waits for the
+// last of those copies. Calls through one buffer are issued one at a time (`mutex`); a
+// buffer serves one stream, as the staging buffers kvcore hands out do.
+struct StagingState {
+    std::mutex mutex;
+    int device = -1;               // of the copy stream and events (made on first overlap)
+    cudaStream_t copy = nullptr;
+    cudaEvent_t filled = nullptr;  // the gather of the latest overlapped write-back
+    cudaEvent_t drained[2] = {nullptr, nullptr};  // the latest host copy out of each half
+    bool recorded[2] = {false, false};
+    int next = 0;   // the half the next overlapped write-back gathers into
+    int last = -1;  // the half of the latest overlapped copy (-1: none yet)
+
+    cudaError_t ensure(int dev) {
+        if (copy != nullptr) {
+            return dev == device ? cudaSuccess : cudaErrorInvalidDevice;
+        }
+        KVIO_CHECK(cudaEventCreateWithFlags(&filled, cudaEventDisableTiming));
+        KVIO_CHECK(cudaEventCreateWithFlags(&drained[0], cudaEventDisableTiming));
+        KVIO_CHECK(cudaEventCreateWithFlags(&drained[1], cudaEventDisableTiming));
+        KVIO_CHECK(cudaStreamCreateWithFlags(&copy, cudaStreamNonBlocking));
+        device = dev;
+        return cudaSuccess;
+    }
+};
+
+// The state of the staging buffer at `staging`, made on first use and kept for the life of
+// the process (a buffer freed and another allocated at its address inherits waits for
+// copies long finished, which cost nothing).
+StagingState& staging_state(void* staging) {
+    static std::mutex map_mutex;
+    static auto* states = new std::vector<std::pair<void*, std::unique_ptr<StagingState>>>();
+    std::lock_guard<std::mutex> lock(map_mutex);
+    for (auto& entry : *states) {
+        if (entry.first == staging) return *entry.second;
+    }
+    states->emplace_back(staging, std::make_unique<StagingState>());
+    return *states->back().second;
+}
+
+cudaError_t staged_locked(int direction, const uint64_t* k_ptrs, const uint64_t* v_ptrs,
+                          int32_t num_layers, void* host_base, const kvio_layout& layout,
+                          const int64_t* host_idx_cpu, const void* dev_idx, int dev_idx_64,
+                          int64_t n_tokens, void* staging, int64_t staging_bytes,
+                          int use_batched, void* stream, const kvio_bounds* bounds,
+                          StagingState& state, cudaEvent_t overlap_done, bool* overlapped);
+
+// A staged transfer (checked here). With `overlap_done`, a write-back that fits half the
+// staging buffer and is not pipelined is overlapped (see StagingState): its host copy runs
+// on the buffer's copy stream, `overlap_done` is recorded there after it and *overlapped is
+// set; anything else runs on `stream` in stream order, as without it.
 cudaError_t transfer_staged(int direction, const uint64_t* k_ptrs, const uint64_t* v_ptrs,
                             int32_t num_layers, void* host_base, const kvio_layout& layout,
                             const int64_t* host_idx_cpu, const void* dev_idx, int dev_idx_64,
                             int64_t n_tokens, void* staging, int64_t staging_bytes,
-                            int use_batched, void* stream, const kvio_bounds* bounds) {
+                            int use_batched, void* stream, const kvio_bounds* bounds,
+                            cudaEvent_t overlap_done = nullptr, bool* overlapped = nullptr) {
     KVIO_CHECK(check_staged(direction, k_ptrs, v_ptrs, num_layers, host_base, layout,
                             host_idx_cpu, dev_idx, n_tokens, staging, staging_bytes, bounds));
     if (n_tokens == 0) {
         return cudaSuccess;
     }
+    StagingState& state = staging_state(staging);
+    std::lock_guard<std::mutex> lock(state.mutex);
+    return staged_locked(direction, k_ptrs, v_ptrs, num_layers, host_base, layout,
+                         host_idx_cpu, dev_idx, dev_idx_64, n_tokens, staging, staging_bytes,
+                         use_batched, stream, bounds, state, overlap_done, overlapped);
+}
+
+cudaError_t staged_locked(int direction, const uint64_t* k_ptrs, const uint64_t* v_ptrs,
+                          int32_t num_layers, void* host_base, const kvio_layout& layout,
+                          const int64_t* host_idx_cpu, const void* dev_idx, int dev_idx_64,
+                          int64_t n_tokens, void* staging, int64_t staging_bytes,
+                          int use_batched, void* stream, const kvio_bounds* bounds,
+                          StagingState& state, cudaEvent_t overlap_done, bool* overlapped) {
     const int64_t P = layout.page_size;
     const int num_kv = v_ptrs != nullptr ? 2 : 1;
     const int64_t elem_bytes = layout.chunk_bytes * layout.num_chunks;
@@ -1497,13 +1567,14 @@ cudaError_t transfer_staged(int direction, const uint64_t* k_ptrs, const uint64_
         // A page of K and V together does not fit twice, so the relayout of one page could
         // not overlap the copy of another (or does not fit at all): stage all of K, then all
         // of V, each pipelined where its own pages fit twice.
-        KVIO_CHECK(transfer_staged(direction, k_ptrs, nullptr, num_layers, host_base, layout,
-                                   host_idx_cpu, dev_idx, dev_idx_64, n_tokens, staging,
-                                   staging_bytes, use_batched, stream, bounds));
-        return transfer_staged(direction, v_ptrs, nullptr, num_layers,
-                               static_cast<char*>(host_base) + layout.kv_stride, layout,
-                               host_idx_cpu, dev_idx, dev_idx_64, n_tokens, staging,
-                               staging_bytes, use_batched, stream, bounds);
+        KVIO_CHECK(staged_locked(direction, k_ptrs, nullptr, num_layers, host_base, layout,
+                                 host_idx_cpu, dev_idx, dev_idx_64, n_tokens, staging,
+                                 staging_bytes, use_batched, stream, bounds, state, nullptr,
+                                 nullptr));
+        return staged_locked(direction, v_ptrs, nullptr, num_layers,
+                             static_cast<char*>(host_base) + layout.kv_stride, layout,
+                             host_idx_cpu, dev_idx, dev_idx_64, n_tokens, staging,
+                             staging_bytes, use_batched, stream, bounds, state, nullptr, nullptr);
     }
     if (capacity < 1) {
         return cudaErrorInvalidValue;  // the staging buffer cannot hold a single page
@@ -1554,6 +1625,43 @@ cudaError_t transfer_staged(int direction, const uint64_t* k_ptrs, const uint64_
         return issue_copies(direction, buf, p0, cp, num_kv, page_bytes, host, layout,
                             host_idx_cpu, batched, on, whole);
     };
+
+    const int64_t half_staging = (staging_bytes / 2) & ~int64_t(255);
+    if (overlap_done != nullptr && to_host && !capturing && !pipelined &&
+        num_pages * slot_bytes <= half_staging) {
+        // Overlapped (see StagingState): gather into the half the previous write-back did
+        // not use, once the copy that last read it is done; copy on the buffer's stream.
+        KVIO_CHECK(state.ensure(guard.device()));
+        const int b = state.next;
+        char* buf = stage + b * half_staging;
+        if (state.recorded[b]) {
+            KVIO_CHECK(cudaStreamWaitEvent(s, state.drained[b], 0));
+        }
+        KVIO_CHECK(relayout(buf, 0, num_pages));
+        KVIO_CHECK(cudaEventRecord(state.filled, s));
+        KVIO_CHECK(cudaStreamWaitEvent(state.copy, state.filled, 0));
+        const cudaError_t copied = dma(buf, 0, num_pages, state.copy);
+        // recorded after a failed copy call too: a part of it may be enqueued, and whoever
+        // uses the half next must wait for that part
+        const cudaError_t drained = cudaEventRecord(state.drained[b], state.copy);
+        if (drained == cudaSuccess) {
+            state.recorded[b] = true;
+            state.last = b;
+        }
+        state.next = 1 - b;
+        if (copied != cudaSuccess && drained == cudaSuccess) {
+            // the caller's stream covers what was enqueued (a failed write-back drains it)
+            (void)cudaStreamWaitEvent(s, state.drained[b], 0);
+        }
+        KVIO_CHECK(copied);
+        KVIO_CHECK(drained);
+        KVIO_CHECK(cudaEventRecord(overlap_done, state.copy));
+        *overlapped = true;
+        return cudaSuccess;
+    }
+    if (state.last >= 0 && !capturing) {  // nothing below may touch it under an overlapped copy
+        KVIO_CHECK(cudaStreamWaitEvent(s, state.drained[state.last], 0));
+    }
 
     if (!pipelined) {
         // Everything on the caller's stream, chunk after chunk (stream order makes reusing
@@ -2030,6 +2138,54 @@ cudaError_t write_back_staged_async(const uint64_t* k_ptrs, const uint64_t* v_pt
     return cudaSuccess;
 }
 
+// kvio_write_back_staged_after: the staged write-back issued by the calling thread after
+// `after_stream`'s work so far, overlapped where it fits (transfer_staged); its completion is
+// a job that never goes to the thread.
+cudaError_t write_back_staged_after(const uint64_t* k_ptrs, const uint64_t* v_ptrs,
+                                    int32_t num_layers, void* host_base,
+                                    const kvio_layout& layout, const int64_t* host_idx_cpu,
+                                    const void* dev_idx, int dev_idx_64, int64_t n_tokens,
+                                    void* staging, int64_t staging_bytes, int use_batched,
+                                    void* stream, void* after_stream, const kvio_bounds* bounds,
+                                    void** job_out) {
+    if (job_out == nullptr) {
+        return cudaErrorInvalidValue;
+    }
+    *job_out = nullptr;
+    KVIO_CHECK(check_staged(kDeviceToHost, k_ptrs, v_ptrs, num_layers, host_base, layout,
+                            host_idx_cpu, dev_idx, n_tokens, staging, staging_bytes, bounds));
+    auto job = std::make_unique<Job>();
+    job->issued = true;
+    if (n_tokens == 0) {  // nothing to do: a finished job without an event
+        *job_out = job.release();
+        return cudaSuccess;
+    }
+    cudaStream_t s = static_cast<cudaStream_t>(stream);
+    DeviceGuard guard;
+    KVIO_CHECK(guard.enter(s));
+    job->device = guard.device();
+    job->stream = s;
+    auto issue = [&]() -> cudaError_t {
+        KVIO_CHECK(take_job_events(job.get(), static_cast<cudaStream_t>(after_stream)));
+        if (job->after != nullptr) {
+            KVIO_CHECK(cudaStreamWaitEvent(s, job->after, 0));
+        }
+        bool overlapped = false;
+        KVIO_CHECK(transfer_staged(kDeviceToHost, k_ptrs, v_ptrs, num_layers, host_base, layout,
+                                   host_idx_cpu, dev_idx, dev_idx_64, n_tokens, staging,
+                                   staging_bytes, use_batched, stream, bounds, job->done,
+                                   &overlapped));
+        return overlapped ? cudaSuccess : cudaEventRecord(job->done, s);
+    };
+    const cudaError_t err = issue();
+    if (err != cudaSuccess) {
+        give_job_events(job.get());
+        return err;
+    }
+    *job_out = job.release();
+    return cudaSuccess;
+}
+
 // The status of a job: kJobPending, cudaSuccess once everything it enqueued completed, or
 // the error that failed it.
 int job_status(Job* job, bool wait) {
@@ -2105,6 +2261,20 @@ KVIO_API int kvio_write_back_staged_async(const uint64_t* k_ptrs, const uint64_t
                                           void* after_stream, const kvio_bounds* bounds,
                                           void** job) {
     return finish(write_back_staged_async(k_ptrs, v_ptrs, num_layers, host_base, layout,
+                                          host_idx_cpu, dev_idx, dev_idx_64, n_tokens, staging,
+                                          staging_bytes, use_batched, stream, after_stream,
+                                          bounds, job));
+}
+
+KVIO_API int kvio_write_back_staged_after(const uint64_t* k_ptrs, const uint64_t* v_ptrs,
+                                          int32_t num_layers, void* host_base,
+                                          kvio_layout layout, const int64_t* host_idx_cpu,
+                                          const void* dev_idx, int dev_idx_64,
+                                          int64_t n_tokens, void* staging,
+                                          int64_t staging_bytes, int use_batched, void* stream,
+                                          void* after_stream, const kvio_bounds* bounds,
+                                          void** job) {
+    return finish(write_back_staged_after(k_ptrs, v_ptrs, num_layers, host_base, layout,
                                           host_idx_cpu, dev_idx, dev_idx_64, n_tokens, staging,
                                           staging_bytes, use_batched, stream, after_stream,
                                           bounds, job));
