@@ -2072,6 +2072,29 @@ JobQueue& job_queue() {
     return *queue;
 }
 
+// What both staged write-back job forms do before anything else: check every argument (the
+// same checks and errors as kvio_write_back_staged), and answer a call that moves nothing with
+// a job that has already finished (no event, no thread) in *job_out; otherwise *job_out stays
+// null and the caller issues the transfer.
+cudaError_t begin_write_back_job(const uint64_t* k_ptrs, const uint64_t* v_ptrs,
+                                 int32_t num_layers, void* host_base, const kvio_layout& layout,
+                                 const int64_t* host_idx_cpu, const void* dev_idx,
+                                 int64_t n_tokens, void* staging, int64_t staging_bytes,
+                                 const kvio_bounds* bounds, void** job_out) {
+    if (job_out == nullptr) {
+        return cudaErrorInvalidValue;
+    }
+    *job_out = nullptr;
+    KVIO_CHECK(check_staged(kDeviceToHost, k_ptrs, v_ptrs, num_layers, host_base, layout,
+                            host_idx_cpu, dev_idx, n_tokens, staging, staging_bytes, bounds));
+    if (n_tokens == 0) {
+        auto job = std::make_unique<Job>();
+        job->issued = true;
+        *job_out = job.release();
+    }
+    return cudaSuccess;
+}
+
 cudaError_t write_back_staged_async(const uint64_t* k_ptrs, const uint64_t* v_ptrs,
                                     int32_t num_layers, void* host_base,
                                     const kvio_layout& layout, const int64_t* host_idx_cpu,
@@ -2079,16 +2102,10 @@ cudaError_t write_back_staged_async(const uint64_t* k_ptrs, const uint64_t* v_pt
                                     void* staging, int64_t staging_bytes, int use_batched,
                                     void* stream, void* after_stream, const kvio_bounds* bounds,
                                     void** job_out) {
-    if (job_out == nullptr) {
-        return cudaErrorInvalidValue;
-    }
-    *job_out = nullptr;
-    KVIO_CHECK(check_staged(kDeviceToHost, k_ptrs, v_ptrs, num_layers, host_base, layout,
-                            host_idx_cpu, dev_idx, n_tokens, staging, staging_bytes, bounds));
-    if (n_tokens == 0) {  // nothing to do: a job that has finished (no event, no thread)
-        auto job = std::make_unique<Job>();
-        job->issued = true;
-        *job_out = job.release();
+    KVIO_CHECK(begin_write_back_job(k_ptrs, v_ptrs, num_layers, host_base, layout,
+                                    host_idx_cpu, dev_idx, n_tokens, staging, staging_bytes,
+                                    bounds, job_out));
+    if (*job_out != nullptr) {
         return cudaSuccess;
     }
     cudaStream_t s = static_cast<cudaStream_t>(stream);
@@ -2148,18 +2165,14 @@ cudaError_t write_back_staged_after(const uint64_t* k_ptrs, const uint64_t* v_pt
                                     void* staging, int64_t staging_bytes, int use_batched,
                                     void* stream, void* after_stream, const kvio_bounds* bounds,
                                     void** job_out) {
-    if (job_out == nullptr) {
-        return cudaErrorInvalidValue;
-    }
-    *job_out = nullptr;
-    KVIO_CHECK(check_staged(kDeviceToHost, k_ptrs, v_ptrs, num_layers, host_base, layout,
-                            host_idx_cpu, dev_idx, n_tokens, staging, staging_bytes, bounds));
-    auto job = std::make_unique<Job>();
-    job->issued = true;
-    if (n_tokens == 0) {  // nothing to do: a finished job without an event
-        *job_out = job.release();
+    KVIO_CHECK(begin_write_back_job(k_ptrs, v_ptrs, num_layers, host_base, layout,
+                                    host_idx_cpu, dev_idx, n_tokens, staging, staging_bytes,
+                                    bounds, job_out));
+    if (*job_out != nullptr) {
         return cudaSuccess;
     }
+    auto job = std::make_unique<Job>();
+    job->issued = true;  // never shared with the thread
     cudaStream_t s = static_cast<cudaStream_t>(stream);
     DeviceGuard guard;
     KVIO_CHECK(guard.enter(s));
