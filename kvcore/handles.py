@@ -59,6 +59,9 @@ class LoadHandle:
         ready = [w for w in waiters if w is not None]
         self._waiters: list[Callable[[int], None]] | None = (
             ready if ready and len(ready) == len(waiters) else None)
+        # the usual case, one member's waiter: called without a loop (wait_layer runs once
+        # per layer per load)
+        self._wait = ready[0] if self._waiters is not None and len(ready) == 1 else None
 
     @property
     def num_layers(self) -> int:
@@ -74,6 +77,9 @@ class LoadHandle:
             raise InvalidArgument("layer", f"an int in [0, {self._num_layers})", repr(layer))
         if self._failure is not None:
             raise self._failure
+        if self._wait is not None:
+            self._wait(layer)
+            return
         if self._waiters is not None:
             for wait in self._waiters:
                 wait(layer)

@@ -497,8 +497,9 @@ class SignalBuffer:
                                        pin_memory=has_streams(device))
         self.counters = self.counter_memory.data_ptr()
         self.flags = self.flag_memory.data_ptr()
-        #: the flags as the host reads them (unsigned, as the epochs)
-        self.landed = self.flag_memory.numpy().view("<u4")
+        #: the flags as the host reads them, unsigned as the epochs (a memoryview: indexing
+        #: one gives an int without NumPy's scalar, on every ``wait_layer``)
+        self.landed = self.flag_memory.numpy().data.cast("B").cast("I")
         self.epoch = 0
 
     def next_epoch(self) -> int:
@@ -508,7 +509,7 @@ class SignalBuffer:
     def has_landed(self, layer: int, epoch: int) -> bool:
         """Whether flag ``layer`` has reached ``epoch`` (the stream-side wait's cyclic
         compare: at most 2**31 epochs ahead counts as reached)."""
-        return (int(self.landed[layer]) - epoch) & 0xFFFFFFFF < 0x80000000
+        return (self.landed[layer] - epoch) & 0xFFFFFFFF < 0x80000000
 
 
 class NativeLayerSignals:
@@ -541,7 +542,7 @@ class NativeLayerSignals:
     def wait_layer_current(self, layer: int) -> None:
         """:meth:`wait_layer` on the device's current stream."""
         # has_landed inlined: this runs once per layer per load
-        if (int(self._landed[layer]) - self.epoch) & 0xFFFFFFFF >= 0x80000000:
+        if (self._landed[layer] - self.epoch) & 0xFFFFFFFF >= 0x80000000:
             self._enqueue(layer, self._current_raw())
 
     def _enqueue(self, layer: int, raw: int) -> None:
