@@ -1479,8 +1479,11 @@ cudaError_t check_staged(int direction, const uint64_t* k_ptrs, const uint64_t* 
 // write-backs (kvio_write_back_staged_after) run on a copy stream of the buffer's own, so
 // the next write-back's gather (on the caller's stream, into the other half) overlaps the
 // previous one's copy. Every other staged transfer through the buffer first waits for the
-// last of those copies. Calls through one buffer are issued one at a time (`mutex`); a
-// buffer serves one stream, as the staging buffers kvcore hands out do.
+// last of those copies. Calls through one buffer are issued one at a time (`mutex`): the
+// library's thread and a caller may both issue through it, and a pipelined transfer's copies
+// run on a side stream, so a gather enqueued on the buffer's stream in the middle of a
+// pipeline's issue could overwrite a half whose copy is still reading it. A buffer serves one
+// stream, as the staging buffers kvcore hands out do.
 struct StagingState {
     std::mutex mutex;
     int device = -1;               // of the copy stream and events (made on first overlap)
@@ -2010,6 +2013,12 @@ class JobQueue {
         issued_.wait(lock, [job] { return job->issued; });
     }
 
+    // Whether a job is waiting or being issued.
+    bool active() {
+        std::lock_guard<std::mutex> lock(mutex);
+        return !jobs_.empty() || busy_;
+    }
+
     // Blocks until every job handed over so far was issued.
     void flush() {
         std::unique_lock<std::mutex> lock(mutex);
@@ -2170,6 +2179,16 @@ cudaError_t write_back_staged_after(const uint64_t* k_ptrs, const uint64_t* v_pt
                                     bounds, job_out));
     if (*job_out != nullptr) {
         return cudaSuccess;
+    }
+    if (job_queue().active()) {
+        // The thread is issuing (or about to issue) a write-back, through this staging buffer
+        // if it is on this stream: issued here, this one would wait for it (StagingState's
+        // mutex) for as long as that takes, up to hundreds of microseconds. Behind it in the
+        // thread's queue it costs the caller only the handover.
+        return write_back_staged_async(k_ptrs, v_ptrs, num_layers, host_base, layout,
+                                       host_idx_cpu, dev_idx, dev_idx_64, n_tokens, staging,
+                                       staging_bytes, use_batched, stream, after_stream,
+                                       bounds, job_out);
     }
     auto job = std::make_unique<Job>();
     job->issued = true;  // never shared with the thread
