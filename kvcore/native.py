@@ -572,7 +572,9 @@ class ReportRing:
         # emulated library) plain memory is what the library writes
         self.memory = torch.zeros(self.SLOTS * REPORT_BYTES, dtype=torch.uint8,
                                   pin_memory=has_streams(device))
-        self.words = self.memory.numpy().view("<i8").reshape(self.SLOTS, REPORT_BYTES // 8)
+        #: the reports as 64-bit words, slot after slot (a memoryview: a completion keeps it
+        #: and its slot's first word, not a NumPy view made per transfer)
+        self.words = self.memory.numpy().data.cast("B").cast("q")
         self.base = self.memory.data_ptr()
         self._epochs = itertools.count(1)  # next() is atomic under the GIL
 
@@ -584,29 +586,31 @@ class ReportRing:
         epoch = next(self._epochs)
         slot = epoch % self.SLOTS
         bounds = KvioBounds(host_tokens, device_tokens, self.base + slot * REPORT_BYTES, epoch)
-        return BoundsCompletion(self.words[slot], bounds, op)
+        return BoundsCompletion(self.words, slot * (REPORT_BYTES // 8), bounds, op)
 
 
 class BoundsCompletion:
     """The completion of one native transfer: after its stream work finished, ``check()``
     raises InvalidIndices naming the index the kernels refused (and did not dereference)."""
 
-    __slots__ = ("_op", "_words", "bounds")
+    __slots__ = ("_first", "_op", "_words", "bounds")
 
-    def __init__(self, words: Any, bounds: KvioBounds, op: Op) -> None:
-        self._words = words
+    def __init__(self, words: Any, first: int, bounds: KvioBounds, op: Op) -> None:
+        self._words = words  # 64-bit words; this transfer's report starts at word ``first``
+        self._first = first
         self.bounds = bounds
         self._op = op
 
     def check(self) -> None:
-        w, b = self._words, self.bounds
+        w, at, b = self._words, self._first, self.bounds
         for name, epoch_at, value_at, size in (
                 ("host_indices", REPORT_HOST_EPOCH, REPORT_HOST_VALUE, b.host_tokens),
                 ("device_indices", REPORT_DEVICE_EPOCH, REPORT_DEVICE_VALUE, b.device_tokens)):
-            if int(w[epoch_at // 8]) == b.epoch:
+            if w[at + epoch_at // 8] == b.epoch:
                 raise InvalidIndices(name, f"values in [0, {size})",
-                                     f"{int(w[value_at // 8])} (refused by the kernel, which "
-                                     "moved no byte for it)", f"{self._op.value} at completion")
+                                     f"{w[at + value_at // 8]} (refused by the kernel, "
+                                     "which moved no byte for it)",
+                                     f"{self._op.value} at completion")
 
 
 #: ``KVCORE_ASYNC_WRITE_BACK``: how a staged write-back through the controller is issued

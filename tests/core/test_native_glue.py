@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 
 from kvcore.layout import Kind, Layout, Op
@@ -141,7 +142,6 @@ def test_staged_load_of_all_layers_passes_the_write_back_arguments_to_its_own_fu
 
 def test_a_per_layer_job_marked_staged_is_refused_before_the_library_is_called() -> None:
     import attrs
-    import pytest
 
     from kvcore.backend import TransferJob
     from kvcore.errors import InvalidArgument
@@ -508,7 +508,6 @@ def test_without_signals_in_the_library_the_layers_go_one_launch_each() -> None:
 
 
 def test_a_job_for_every_layer_on_a_variant_without_signals_is_refused() -> None:
-    import pytest
 
     from kvcore.errors import InvalidArgument
 
@@ -563,7 +562,6 @@ def test_submit_on_a_signaled_variant_is_one_job_for_every_layer() -> None:
 
 
 def test_a_signaled_variant_that_returns_no_signals_breaks_the_contract() -> None:
-    import pytest
 
     from kvcore.errors import ContractViolation
 
@@ -600,3 +598,38 @@ def test_a_library_with_its_own_copy_uploads_the_index_rings_slots_and_only_then
     assert lib.calls == [("kvio_copy_to_device", (4096, 8192, 512, None))]  # NULL: no stream
     without = CpuNative(torch.device("cpu"), RecordingLibrary())  # type: ignore[arg-type]
     assert not hasattr(without, "upload_indices")  # the ring copies through torch then
+
+
+# ------------------------------------------------------------------ the bounds reports
+
+
+def _report(bounds: Any, field: str, epoch: int, value: int) -> None:
+    """Store a report as a kernel does on a violation: the value, then the epoch."""
+    from kvcore.native_abi import KvioReport
+
+    report = KvioReport.from_address(bounds.report)
+    setattr(report, field.replace("epoch", "value"), value)
+    setattr(report, field, epoch)
+
+
+@pytest.mark.parametrize("field,name,size", [("device_epoch", "device_indices", 40),
+                                             ("host_epoch", "host_indices", 96)])
+def test_a_completion_raises_the_report_of_its_own_transfer_only(field: str, name: str,
+                                                                 size: int) -> None:
+    from kvcore.errors import InvalidIndices
+    from kvcore.native import ReportRing
+
+    ring = ReportRing(torch.device("cpu"))
+    earlier = ring.issue(96, 40, Op.LOAD_LAYER)
+    for _ in range(ReportRing.SLOTS - 1):
+        ring.issue(96, 40, Op.LOAD_LAYER)
+    done = ring.issue(96, 40, Op.LOAD_LAYER)  # the slot of `earlier`, one lap later
+    assert done.bounds.report == earlier.bounds.report
+    assert done.bounds.epoch == earlier.bounds.epoch + ReportRing.SLOTS
+    neighbour = ring.issue(96, 40, Op.LOAD_LAYER)
+    _report(earlier.bounds, field, earlier.bounds.epoch, 12345)  # a stale report
+    done.check()  # not this transfer's
+    _report(done.bounds, field, done.bounds.epoch, size + 7)
+    with pytest.raises(InvalidIndices, match=rf"{name}.*\[0, {size}\).*{size + 7}.*refused"):
+        done.check()
+    neighbour.check()  # the next slot's transfer is untouched
