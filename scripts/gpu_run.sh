@@ -19,6 +19,7 @@
 # profile: py-spy samples of write()/load() loops (PROFILE_CASES op:pages; .whl/ must carry
 # the py-spy wheel).
 # probe_tma: the standalone TMA-against-loads probe (scripts/probe_tma_h2d.cu).
+# probe_2d: copy-engine 2D copies of groups of layers from page_first (scripts/probe_2d_rows.cu).
 # submit_cost: cProfile of controller calls, once per page count in SUBMIT_PAGES.
 # probe: scripts/probe_layer_load.py once per kernel build setting in PROBE_TUNES
 # (';'-separated KVIO_CUDA_TUNE values, '' = the shipped defaults). probe_h2d: the standalone
@@ -116,6 +117,11 @@ profile)  # py-spy over loops of controller calls (needs the py-spy wheel carrie
         step "profile_${op}_${pages}p" 90 /tmp/pyspy/bin/py-spy record --native --rate 2000 --format raw -o "$R/profile_${op}_${pages}p.txt" -- $PY scripts/probe_hot_path.py --op "$op" --pages "$pages" --seconds 5 --batch "$batch"
         $PY scripts/probe_hot_path.py --summarize "$R/profile_${op}_${pages}p.txt" --root "$op" --top 70 >> "$R/profile_${op}_${pages}p.log" 2>&1
     done
+    ;;
+probe_2d)  # copy-engine 2D copies of layer groups from page_first (scripts/probe_2d_rows.cu)
+    step probe_2d_build 120 nvcc -O3 -std=c++17 -arch=sm_90a -o "$R/probe_2d" scripts/probe_2d_rows.cu
+    step probe_2d 240 "$R/probe_2d"
+    rm -f "$R/probe_2d"
     ;;
 probe_tma)  # SM bulk copies (TMA) from pinned memory against vector loads (scripts/probe_tma_h2d.cu)
     step probe_tma_build 120 nvcc -O3 -std=c++17 -arch=sm_90a -o "$R/probe_tma" scripts/probe_tma_h2d.cu
