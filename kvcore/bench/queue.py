@@ -11,6 +11,8 @@ loads each followed by ``wait_layer`` of every layer on the caller's stream, and
   memories, measured in the same run (the bench's ceiling);
 - ``cpu_us``: the median CPU time of one ``write()`` or ``load()`` call, and ``wait_us``
   that of the ``wait_layer`` calls after one load (all layers together);
+- ``caller_share`` (the tables' ``caller busy``): those CPU times over the wall time per
+  call; near 100% the queue is CPU-bound (the device waits for the caller);
 - ``cpu_idle_us``: the median CPU time of one such call made with the device idle (each call
   after the one before it completed): what a call costs an engine that synchronised just
   before it. On the H200 it is the larger of the two (h200-2026-12-05: 8-60 us more than in
@@ -112,6 +114,15 @@ class QueueRow:
         if self.ms_per_call is None:
             return None
         return gib_per_s(self.case.bytes_per_call, self.ms_per_call)
+
+    @property
+    def caller_share(self) -> float | None:
+        """The part of a call's wall time (``ms_per_call``) that the caller spent inside the
+        API: ``write()``, or ``load()`` and its ``wait_layer`` calls. Near 1 the queue is
+        CPU-bound: the device waits for the caller, and the ratio follows the host's speed."""
+        if self.ms_per_call is None or self.cpu_us is None or self.ms_per_call <= 0:
+            return None
+        return (self.cpu_us + (self.wait_us or 0.0)) / (1e3 * self.ms_per_call)
 
     @classmethod
     def from_facts(cls, f: dict[str, Any]) -> QueueRow:
@@ -266,20 +277,21 @@ def markdown_rows(rows: list[QueueRow]) -> list[str]:
     """A markdown table of queue rows."""
     lines = ["| backend | op | kind | layout | pages | MiB/call | calls | ms/call | GiB/s | "
              "ceil GiB/s | ratio | CPU us/call | CPU us/call, device idle | wait_layer us | "
-             "spread% |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "caller busy | spread% |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         c = r.case
         head = (f"| {r.backend} | {c.op} | {c.kind.value} | {c.layout.value} | {c.pages} | "
                 f"{c.bytes_per_call / MIB:.0f} | {c.calls} | ")
         if r.error is not None:
-            lines.append(head + f"failed: {r.error} ||||||||")
+            lines.append(head + f"failed: {r.error} |||||||||")
             continue
         ceil_gib = gib_per_s(c.bytes_per_call, r.ceiling_ms or 0.0)
         wait = f"{r.wait_us:.0f}" if r.wait_us is not None else "-"
         idle = f"{r.cpu_idle_us:.0f}" if r.cpu_idle_us is not None else "-"
+        busy = f"{r.caller_share:.0%}" if r.caller_share is not None else "-"
         lines.append(head + f"{r.ms_per_call:.3f} | {r.gib_s:.1f} | {ceil_gib:.1f} | "
-                     f"{r.ratio:.3f} | {r.cpu_us:.0f} | {idle} | {wait} | "
+                     f"{r.ratio:.3f} | {r.cpu_us:.0f} | {idle} | {wait} | {busy} | "
                      f"{r.spread_pct:.1f} |")
     return lines
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from kvcore.bench import report
+from kvcore.bench.queue import QueueRow
 from kvcore.bench.row import FAILED, OK, UNSUPPORTED
 from kvcore.bench.runner import Bench
 from kvcore.cli import main
@@ -246,4 +247,13 @@ def test_controller_rows_time_queues_of_controller_calls(tmp_path: Path) -> None
     text = md.read_text()
     assert "Through the controller" in text and "CPU us/call, device idle" in text
     table = [line for line in text.splitlines() if line.startswith("| reference |")]
-    assert len(table) == 4 and all(line.count("|") == 16 for line in table)
+    assert len(table) == 4 and all(line.count("|") == 17 for line in table)
+    # caller busy: the CPU inside the calls over the wall time per call (on the CPU reference
+    # backend every call runs its copy itself, so the caller is busy nearly all the time)
+    head = next(line for line in text.splitlines() if "caller busy" in line)
+    col = [c.strip() for c in head.split("|")].index("caller busy")
+    for line, r in zip(sorted(table), sorted(rows, key=lambda r: (r["op"], r["pages"])),
+                       strict=True):
+        share = (r["cpu_us"] + (r["wait_us"] or 0)) / (1e3 * r["ms_per_call"])
+        assert QueueRow.from_facts(r).caller_share == pytest.approx(share)
+        assert line.split("|")[col].strip() == f"{share:.0%}" and 0 < share < 3
