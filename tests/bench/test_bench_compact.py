@@ -115,4 +115,5 @@ def _merge_commands() -> list[tuple[Path, list[str]]]:
 def test_the_merge_commands_of_the_committed_readmes_still_read_their_files(
         folder: Path, files: list[str]) -> None:
     results = [load(str(folder / name))[0] for name in files]
-    assert merge(results).rows
+    merged = merge(results)
+    assert merged.rows or merged.controller_rows  # (a merge of controller rows only has no rows)
