@@ -245,6 +245,15 @@ PROTOTYPES: dict[str, tuple[Any, tuple[Any, ...]]] = {
     )),
 }
 
+#: the staged write-back as a job (kvio_write_back_staged_async and _after): its arguments,
+#: then the stream it follows, the bounds (copied by the call) and the job handle (out)
+_STAGED_JOB = (_c.c_int, (
+    *PROTOTYPES["kvio_write_back_staged"][1][:-1],
+    _c.c_void_p,    # after_stream (the transfer follows its work so far; `stream`: none)
+    _BOUNDS_P,      # bounds
+    _c.POINTER(_c.c_void_p),  # job (out)
+))
+
 #: functions a library may export on top of PROTOTYPES (each has a ``has_...`` query)
 OPTIONAL_PROTOTYPES: dict[str, tuple[Any, tuple[Any, ...]]] = {
     # kvio_transfer_direct's arguments; the caller vouches for the chained-load guarantee
@@ -271,7 +280,7 @@ OPTIONAL_PROTOTYPES: dict[str, tuple[Any, tuple[Any, ...]]] = {
         _c.c_void_p,    # v_ptrs
         _c.c_int32,     # num_layers
         *_INDEXED,
-        _c.c_void_p,    # counters (uint32 x num_layers, device; zeroed by the call)
+        _c.c_void_p,    # counters (uint32 x num_layers, device; zero, and left zero)
         _c.c_void_p,    # flags (uint32 x num_layers, device memory or pinned host memory)
         _c.c_uint32,    # epoch
         _c.c_void_p,    # stream
@@ -300,22 +309,11 @@ OPTIONAL_PROTOTYPES: dict[str, tuple[Any, tuple[Any, ...]]] = {
         _c.c_int64,     # nbytes
         _c.c_void_p,    # stream
     )),
-    # the staged write-back issued by a library thread (the caller only hands it over): its
-    # arguments, then the stream it follows, the bounds (copied by the call) and the job
-    "kvio_write_back_staged_async": (_c.c_int, (
-        *PROTOTYPES["kvio_write_back_staged"][1][:-1],
-        _c.c_void_p,    # after_stream (the transfer follows its work so far; `stream`: none)
-        _BOUNDS_P,      # bounds
-        _c.POINTER(_c.c_void_p),  # job (out)
-    )),
+    # the staged write-back issued by a library thread (the caller only hands it over)
+    "kvio_write_back_staged_async": _STAGED_JOB,
     # the same, issued by the caller before it returns (the host copy of a small one
     # overlaps the next one's gather)
-    "kvio_write_back_staged_after": (_c.c_int, (
-        *PROTOTYPES["kvio_write_back_staged"][1][:-1],
-        _c.c_void_p,    # after_stream
-        _BOUNDS_P,      # bounds
-        _c.POINTER(_c.c_void_p),  # job (out)
-    )),
+    "kvio_write_back_staged_after": _STAGED_JOB,
     "kvio_job_status": (_c.c_int, (_c.c_void_p,)),
     "kvio_job_wait": (_c.c_int, (_c.c_void_p,)),
     "kvio_job_release": (None, (_c.c_void_p,)),
@@ -693,8 +691,8 @@ class NativeLibrary:
         layers in one launch, layer after layer, in groups of consecutive layers
         (:meth:`signaled_layer_group`); ``flags[l]`` (uint32 the device stores to) becomes
         ``epoch`` once every layer of l's group has landed. ``counters`` (device uint32 x
-        num_layers: one per group) are the library's to zero on the stream before its
-        launch. Indices and ``bounds`` as for :meth:`transfer_direct` (a
+        num_layers: one per group) must be zero at the first load; each load leaves them
+        zero for the next on the stream. Indices and ``bounds`` as for :meth:`transfer_direct` (a
         skipped vector's tile still counts: every flag is set). Raises BuildError when
         the library lacks the function, InvalidArgument before any call for an argument out
         of range, KernelError when the library returns a nonzero status.

@@ -447,8 +447,8 @@ __device__ __forceinline__ void fence_acq_rel_gpu() {
 
 // Signals of one signaled load: the layers land in groups of `group` consecutive layers (one
 // wave of the grid, signaled_geometry); per group a count of the warps' tile parts that landed
-// (zero at the launch; the warp that completes the group zeroes it again), and per layer a ready flag that is set to `epoch` once every
-// layer of its group is in the pool.
+// (zero at the launch; the warp that completes the group zeroes it again), and per layer a
+// ready flag that is set to `epoch` once every layer of its group is in the pool.
 struct Signals {
     uint32_t* counters;
     uint32_t* flags;
@@ -1377,8 +1377,8 @@ cudaError_t check_signaled(const uint64_t* k_ptrs, int32_t num_layers, void* hos
 
 // The signaled per-layer load: all layers in one grid, layer by layer (signaled_body), on
 // `stream`. counters (device, num_layers: one per group) are zero at the launch and left zero
-// (a memset per launch cost the caller a runtime call); flags[l] (num_layers) becomes `epoch` once every layer of l's group
-// (signaled_geometry) has landed.
+// (a memset per launch cost the caller a runtime call); flags[l] (num_layers) becomes `epoch`
+// once every layer of l's group (signaled_geometry) has landed.
 cudaError_t load_layers_signaled(const uint64_t* k_ptrs, const uint64_t* v_ptrs,
                                  int32_t num_layers, void* host_base,
                                  const kvio_layout& layout, const void* host_idx,
