@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -35,6 +36,23 @@ class PendingWrite:
     #: the error that failed it on this rank (a controller with a process group keeps it
     #: queued until every rank knows)
     failed: BaseException | None = None
+
+    # ``event`` is the last pool-group member's; an earlier member's transfer may complete
+    # elsewhere (a library's copy stream or thread), so "done" asks every completion
+
+    def finished(self) -> bool:
+        """Whether every member's transfer has completed (never blocks)."""
+        if self.completions:
+            return all(c.query() for c in self.completions)
+        return self.event is None or bool(self.event.query())
+
+    def wait_quietly(self) -> None:
+        """Block until every member's transfer has completed, whatever its outcome (what
+        must hold before the host slots it writes are released)."""
+        for part in (self.event, *self.completions):
+            if part is not None:
+                with contextlib.suppress(Exception):  # a fault is reported by its own drain
+                    part.synchronize()
 
 
 class LoadHandle:

@@ -106,11 +106,11 @@ class WriteQueue:
         while self._pending:
             p = self._pending[0]
             try:
-                if p.event is not None:
-                    if block:
+                if block:
+                    if p.event is not None:
                         p.event.synchronize()
-                    elif not p.event.query():
-                        break
+                elif not p.finished():
+                    break
                 self._pending.popleft()
                 for c in p.completions:
                     c.check()
@@ -220,7 +220,7 @@ class WriteQueue:
             elif self.health.lost is not None:  # nothing more completes on a lost device
                 self._fail_here(p, self.health.lost)
                 here[i] = _FAILED
-            elif running or (p.event is not None and not block and not p.event.query()):
+            elif running or (not block and not p.finished()):
                 running = True
                 here[i] = _PENDING
             else:
@@ -247,12 +247,10 @@ class WriteQueue:
         """Release the host slots of writes a peer failed once their copy here finished."""
         still = []
         for p in self._doomed:
-            if p.event is not None:
-                if not block and not p.event.query():
-                    still.append(p)
-                    continue
-                with contextlib.suppress(Exception):  # a fault is reported by its own drain
-                    p.event.synchronize()
+            if not block and not p.finished():
+                still.append(p)
+                continue
+            p.wait_quietly()
             if p.owns_host:
                 self.allocator.free(p.ack.host_indices)
         self._doomed = still
@@ -265,9 +263,7 @@ class WriteQueue:
             self.health.lost = self.rounds.broken
         if self._pending or self._doomed:
             for p in (*self._pending, *self._doomed):  # a transfer another thread issues
-                if p.event is not None:
-                    with contextlib.suppress(Exception):
-                        p.event.synchronize()
+                p.wait_quietly()
             drain_stream(self.write_stream)
             self._pending.extend(self._doomed)
             self._doomed = []

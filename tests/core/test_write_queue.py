@@ -28,7 +28,14 @@ class Event:
         self.done = True
 
 
-class Failing:
+class Member(Event):
+    """One pool-group member's submission, as the queue sees it."""
+
+    def check(self) -> None:
+        pass
+
+
+class Failing(Member):
     def check(self) -> None:
         raise RuntimeError("the kernel refused an index")
 
@@ -79,6 +86,45 @@ def test_a_write_a_peer_failed_is_released_once_its_copy_here_finished() -> None
     assert q.drain(block=False)[0].id == 0  # write 0, agreed in the failing poll, comes now
     assert alloc.available_size() == free - PAGE, "write 1's slots released, write 0's kept"
     assert (len(q), q.completed) == (0, 1)
+
+
+def test_a_write_is_acknowledged_only_once_every_members_transfer_completed() -> None:
+    """The queue's event is the last member's; an earlier member's copy may complete on
+    another stream (a library's copy stream) after it."""
+    alloc = SlotAllocator(16 * PAGE, PAGE)
+    q = WriteQueue(alloc, None, Health())
+    first = Member(done=False)
+    _write(q, alloc, completions=[first, Member()])  # the last member's event: done
+    assert q.drain(block=False) == []
+    first.done = True
+    assert [a.id for a in q.drain(block=False)] == [0]
+
+
+def test_a_write_a_peer_failed_keeps_its_slots_while_any_member_still_copies() -> None:
+    q, alloc, rounds = _queue()
+    free = alloc.available_size()
+    first = Member(done=False)
+    _write(q, alloc, completions=[first, Member()])
+    rounds.peer[0] = 1 - 2  # rank 1 failed write 0
+    with pytest.raises(TransferFailed, match=r"^write-back 0 failed at completion on rank 1 "):
+        q.drain(block=False)
+    assert alloc.available_size() == free - PAGE, "member 0 still copying: slots kept"
+    first.done = True
+    assert q.drain(block=False) == []
+    assert alloc.available_size() == free
+
+
+def test_a_lost_group_waits_for_every_members_copy_before_releasing_slots() -> None:
+    q, alloc, rounds = _queue()
+    free = alloc.available_size()
+    first = Member(done=False)
+    _write(q, alloc, completions=[first, Member()])
+    rounds.lose = RanksFailed("acknowledgement round 1 failed on rank 0 of 2: gone", {},
+                                [1])
+    with pytest.raises(RanksFailed):
+        q.drain(block=False)
+    assert first.done, "member 0's copy was waited for"
+    assert alloc.available_size() == free
 
 
 def test_a_group_lost_after_a_local_failure_releases_every_slot_once() -> None:
