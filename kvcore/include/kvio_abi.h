@@ -146,9 +146,10 @@ KVIO_API int kvio_write_back_staged_async(const uint64_t* k_ptrs, const uint64_t
  * below the pipelining size that fits half the staging buffer gathers on `stream` into the
  * half the previous one did not use and copies to the host on a copy stream of the staging
  * buffer's own, so consecutive write-backs overlap; the job completes after that copy.
- * Every later staged transfer through the same buffer waits for it first. While the
- * library's thread has a write-back waiting or is issuing one, this one goes to the thread
- * too (as with kvio_write_back_staged_async), rather than waiting for that issue. */
+ * Every later staged transfer through the same buffer waits for it first (not one captured
+ * into a graph: docs/native-abi.md). While the library's thread has a write-back through the
+ * same buffer waiting or is issuing one, this one goes to the thread too (as with
+ * kvio_write_back_staged_async), rather than waiting for that issue. */
 KVIO_API int kvio_write_back_staged_after(const uint64_t* k_ptrs, const uint64_t* v_ptrs,
                                           int32_t num_layers, void* host_base,
                                           kvio_layout layout, const int64_t* host_idx_cpu,

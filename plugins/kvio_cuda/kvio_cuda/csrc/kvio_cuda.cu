@@ -1495,8 +1495,18 @@ struct StagingState {
     int last = -1;  // the half of the latest overlapped copy (-1: none yet)
 
     cudaError_t ensure(int dev) {
+        if (copy != nullptr && dev == device) {
+            return cudaSuccess;
+        }
         if (copy != nullptr) {
-            return dev == device ? cudaSuccess : cudaErrorInvalidDevice;
+            // The address was freed on `device` and handed out again on `dev`: let the old
+            // copies finish (their buffer is gone) and start over on this device.
+            forget();
+            for (cudaEvent_t e : {filled, drained[0], drained[1]}) (void)cudaEventDestroy(e);
+            (void)cudaStreamDestroy(copy);
+            (void)cudaGetLastError();  // nothing above may fail this call
+            copy = nullptr;
+            filled = drained[0] = drained[1] = nullptr;
         }
         KVIO_CHECK(cudaEventCreateWithFlags(&filled, cudaEventDisableTiming));
         KVIO_CHECK(cudaEventCreateWithFlags(&drained[0], cudaEventDisableTiming));
@@ -1505,11 +1515,20 @@ struct StagingState {
         device = dev;
         return cudaSuccess;
     }
+
+    // After a failure that left a copy on the copy stream untracked: wait for every copy
+    // there on the host (an error path only), so nothing needs tracking any more.
+    void forget() {
+        (void)cudaStreamSynchronize(copy);
+        (void)cudaGetLastError();
+        recorded[0] = recorded[1] = false;
+        last = -1;
+    }
 };
 
 // The state of the staging buffer at `staging`, made on first use and kept for the life of
 // the process (a buffer freed and another allocated at its address inherits waits for
-// copies long finished, which cost nothing).
+// copies long finished, which cost nothing; one on another device, see ensure).
 StagingState& staging_state(void* staging) {
     static std::mutex map_mutex;
     static auto* states = new std::vector<std::pair<void*, std::unique_ptr<StagingState>>>();
@@ -1643,27 +1662,35 @@ cudaError_t staged_locked(int direction, const uint64_t* k_ptrs, const uint64_t*
         KVIO_CHECK(relayout(buf, 0, num_pages));
         KVIO_CHECK(cudaEventRecord(state.filled, s));
         KVIO_CHECK(cudaStreamWaitEvent(state.copy, state.filled, 0));
-        const cudaError_t copied = dma(buf, 0, num_pages, state.copy);
+        cudaError_t err = dma(buf, 0, num_pages, state.copy);
         // recorded after a failed copy call too: a part of it may be enqueued, and whoever
         // uses the half next must wait for that part
         const cudaError_t drained = cudaEventRecord(state.drained[b], state.copy);
-        if (drained == cudaSuccess) {
-            state.recorded[b] = true;
-            state.last = b;
+        if (drained != cudaSuccess) {
+            state.forget();
+            return err != cudaSuccess ? err : drained;
         }
+        state.recorded[b] = true;
+        state.last = b;
         state.next = 1 - b;
-        if (copied != cudaSuccess && drained == cudaSuccess) {
-            // the caller's stream covers what was enqueued (a failed write-back drains it)
-            (void)cudaStreamWaitEvent(s, state.drained[b], 0);
+        if (err == cudaSuccess) {
+            err = cudaEventRecord(overlap_done, state.copy);
         }
-        KVIO_CHECK(copied);
-        KVIO_CHECK(drained);
-        KVIO_CHECK(cudaEventRecord(overlap_done, state.copy));
+        if (err != cudaSuccess) {
+            // the caller's stream covers what was enqueued (a failed write-back drains it
+            // before releasing the host slots)
+            (void)cudaStreamWaitEvent(s, state.drained[b], 0);
+            return err;
+        }
         *overlapped = true;
         return cudaSuccess;
     }
     if (state.last >= 0 && !capturing) {  // nothing below may touch it under an overlapped copy
         KVIO_CHECK(cudaStreamWaitEvent(s, state.drained[state.last], 0));
+        // `s`, the buffer's one stream, now follows every copy made so far (the copy stream
+        // runs in order): no later transfer on it needs to wait for those again
+        state.last = -1;
+        state.recorded[0] = state.recorded[1] = false;
     }
 
     if (!pipelined) {
@@ -2004,6 +2031,7 @@ class JobQueue {
             started_ = true;
         }
         jobs_.push_back(job);
+        ++waiting_on(job->staging);
         ready_.notify_one();
     }
 
@@ -2013,10 +2041,10 @@ class JobQueue {
         issued_.wait(lock, [job] { return job->issued; });
     }
 
-    // Whether a job is waiting or being issued.
-    bool active() {
+    // Whether a job through the staging buffer at `staging` is waiting or being issued.
+    bool active(const void* staging) {
         std::lock_guard<std::mutex> lock(mutex);
-        return !jobs_.empty() || busy_;
+        return waiting_on(staging) > 0;
     }
 
     // Blocks until every job handed over so far was issued.
@@ -2060,6 +2088,7 @@ class JobQueue {
                 std::lock_guard<std::mutex> lock(mutex);
                 job->error = err;
                 job->issued = true;
+                --waiting_on(job->staging);
                 busy_ = false;
                 free_now = job->released;
             }
@@ -2068,7 +2097,18 @@ class JobQueue {
         }
     }
 
+    // The count of jobs handed over and not yet issued through one staging buffer (a few
+    // buffers per process: one per transfer stream); under `mutex`.
+    int& waiting_on(const void* staging) {
+        for (auto& entry : per_buffer_) {
+            if (entry.first == staging) return entry.second;
+        }
+        per_buffer_.emplace_back(staging, 0);
+        return per_buffer_.back().second;
+    }
+
     std::deque<Job*> jobs_;
+    std::vector<std::pair<const void*, int>> per_buffer_;
     std::condition_variable ready_;
     std::condition_variable issued_;
     bool started_ = false;
@@ -2180,11 +2220,11 @@ cudaError_t write_back_staged_after(const uint64_t* k_ptrs, const uint64_t* v_pt
     if (*job_out != nullptr) {
         return cudaSuccess;
     }
-    if (job_queue().active()) {
-        // The thread is issuing (or about to issue) a write-back, through this staging buffer
-        // if it is on this stream: issued here, this one would wait for it (StagingState's
-        // mutex) for as long as that takes, up to hundreds of microseconds. Behind it in the
-        // thread's queue it costs the caller only the handover.
+    if (job_queue().active(staging)) {
+        // The thread is issuing (or about to issue) a write-back through this staging buffer:
+        // issued here, this one would wait for it (StagingState's mutex) for as long as that
+        // takes, up to hundreds of microseconds. Behind it in the thread's queue it costs the
+        // caller only the handover, and stays in order on the stream.
         return write_back_staged_async(k_ptrs, v_ptrs, num_layers, host_base, layout,
                                        host_idx_cpu, dev_idx, dev_idx_64, n_tokens, staging,
                                        staging_bytes, use_batched, stream, after_stream,
