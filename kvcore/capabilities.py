@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import attrs
 import torch
 
-from kvcore.layout import Kind, Layout, Op
+from kvcore.errors import InvalidArgument
+from kvcore.layout import Kind, Layout, Op, parse_enum
+
+E = TypeVar("E", bound=enum.Enum)
 
 #: The kvcore API version this core implements. A backend built for another is refused.
 API_VERSION = 1
@@ -66,11 +69,51 @@ def residency_device(residency: Residency, device: torch.device) -> torch.device
     return torch.device("cpu") if residency is Residency.HOST else device
 
 
+def _members(cls: type[E], argument: str, value: object) -> frozenset[E]:
+    """One member (or value) of ``cls`` or an iterable of them, as a non-empty frozenset of
+    members (a single string is one value, not its letters); InvalidArgument naming
+    ``argument`` for anything else."""
+    items = [value] if isinstance(value, (str, cls)) else list(value)  # type: ignore[call-overload]
+    members = frozenset(parse_enum(cls, v, argument) for v in items)
+    if not members:
+        allowed = ", ".join(str(m.value) for m in cls)
+        raise InvalidArgument(argument, f"at least one of {allowed}", "none")
+    return members
+
+
+# attrs converters: a plugin may write an enum's value ("mha", "device") for its member
+
+
+def _to_op(value: object) -> Op:
+    return parse_enum(Op, value, "op")
+
+
+def _to_kinds(value: object) -> frozenset[Kind]:
+    return _members(Kind, "kinds", value)
+
+
+def _to_layouts(value: object) -> frozenset[Layout]:
+    return _members(Layout, "layouts", value)
+
+
+def _to_residency(value: object) -> Residency:
+    return parse_enum(Residency, value, "residency")
+
+
+def _to_host_memory(value: object) -> HostMemory:
+    return parse_enum(HostMemory, value, "host_memory")
+
+
+def _power_of_two(_: object, attribute: attrs.Attribute, value: int) -> None:
+    if not isinstance(value, int) or value < 1 or value & (value - 1):
+        raise InvalidArgument(attribute.name, "a power of two, in bytes", repr(value))
+
+
 @attrs.frozen
 class IndexSpec:
     """Residency and accepted dtypes of one index tensor. ``dtypes[0]`` is preferred."""
 
-    residency: Residency
+    residency: Residency = attrs.field(converter=_to_residency)
     dtypes: tuple[torch.dtype, ...] = (torch.int64, torch.int32)
 
     def __attrs_post_init__(self) -> None:
@@ -90,14 +133,15 @@ class OpSupport:
     that same variant.
     """
 
-    op: Op
-    kinds: frozenset[Kind]
-    layouts: frozenset[Layout]
+    op: Op = attrs.field(converter=_to_op)
+    kinds: frozenset[Kind] = attrs.field(converter=_to_kinds)
+    layouts: frozenset[Layout] = attrs.field(converter=_to_layouts)
     host_index: IndexSpec
     device_index: IndexSpec
     variant: str = "default"
     dtypes: frozenset[torch.dtype] | None = None  # None: any dtype
-    element_alignment: int = 1  # element bytes must be a multiple of this
+    #: element bytes must be a multiple of this (a power of two)
+    element_alignment: int = attrs.field(default=1, validator=_power_of_two)
     contiguous_pages: bool = False  # needs each host page (per K/V) to be one contiguous run
     whole_pages: bool = False  # with contiguous_pages: or the page's K and V together one run
     staged: bool = False
@@ -127,16 +171,13 @@ class OpSupport:
         return self.min_page_bytes <= page_bytes and upper
 
 
-def op_support(op: Op, kinds: object, layouts: object, host: Residency, device: Residency,
-               **kw: object) -> OpSupport:
-    """Shorthand for declaring an :class:`OpSupport` (kinds/layouts: one value or iterable)."""
-
-    def as_set(v: object, cls: type) -> frozenset:
-        return frozenset([v]) if isinstance(v, cls) else frozenset(v)  # type: ignore[call-overload]
-
-    return OpSupport(op=op, kinds=as_set(kinds, Kind), layouts=as_set(layouts, Layout),
-                     host_index=IndexSpec(host), device_index=IndexSpec(device),
-                     **kw)  # type: ignore[arg-type]
+def op_support(op: Op | str, kinds: object, layouts: object, host: Residency | str,
+               device: Residency | str, **kw: object) -> OpSupport:
+    """Shorthand for declaring an :class:`OpSupport`. ``kinds``/``layouts``: one value or an
+    iterable of them; enum members or their names (``"mha"``, ``"page_first"``). A value
+    that is none of them raises InvalidArgument naming the argument."""
+    return OpSupport(op=op, kinds=kinds, layouts=layouts, host_index=IndexSpec(host),
+                     device_index=IndexSpec(device), **kw)  # type: ignore[arg-type]
 
 
 @attrs.frozen
@@ -150,7 +191,7 @@ class Capabilities:
     priority: int
     probe: Callable[[], Availability] = attrs.field(eq=False, repr=False)
     ops: tuple[OpSupport, ...]
-    host_memory: HostMemory
+    host_memory: HostMemory = attrs.field(converter=_to_host_memory)
     device_types: frozenset[str] | None = None  # torch device types it runs on; None: any
     description: str = ""
 

@@ -176,3 +176,39 @@ def test_a_factory_that_raises_becomes_a_typed_build_error(reg: Registry) -> Non
                                          r"OSError: libkvio_fake.so"):
         allocate_host_pool("mha", "page_first", 2, 16, 2, 8, torch.bfloat16, 4, "cpu",
                           backend="fragile", registry=reg)
+
+
+def test_a_variant_may_name_kinds_layouts_and_residencies_by_their_values() -> None:
+    """As README's example writes them: the record holds the enum members (what ``kvio
+    backends`` and the placement compare by identity)."""
+    from kvcore.capabilities import Residency, op_support
+    from kvcore.layout import Op
+
+    s = op_support("write_back", ("mha", "mla"), "page_first", "host", Residency.DEVICE)
+    assert s.op is Op.WRITE_BACK
+    assert s.kinds == {Kind.MHA, Kind.MLA} and all(isinstance(k, Kind) for k in s.kinds)
+    assert s.layouts == {Layout.PAGE_FIRST} and isinstance(next(iter(s.layouts)), Layout)
+    assert s.host_index.residency is Residency.HOST
+
+
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("kinds", "mhx", r"^kinds: expected one of mha, mla, got 'mhx'"),
+    ("kinds", (), r"^kinds: expected at least one of mha, mla, got none"),
+    ("layouts", ("page-first",), r"^layouts: expected one of layer_first, .*got 'page-first'"),
+    ("host", "pinned", r"^residency: expected one of host, device, got 'pinned'"),
+    ("element_alignment", 3, r"^element_alignment: expected a power of two, in bytes, got 3"),
+])
+def test_a_variant_that_claims_nothing_real_is_refused_when_declared(
+        field: str, value: object, message: str) -> None:
+    from kvcore.capabilities import Residency, op_support
+    from kvcore.layout import Op
+
+    args: dict[str, object] = dict(op=Op.LOAD_ALL, kinds=Kind.MHA, layouts=Layout.PAGE_FIRST,
+                                   host=Residency.HOST, device=Residency.DEVICE)
+    kw = {}
+    if field in args:
+        args[field] = value
+    else:
+        kw[field] = value
+    with pytest.raises(InvalidArgument, match=message):
+        op_support(*args.values(), **kw)  # type: ignore[arg-type]
