@@ -17,6 +17,7 @@ from kvcore.bench import queue, report
 from kvcore.bench.runner import Bench, BenchResult
 from kvcore.bench.sweep import PRESETS, Case, expand, override
 from kvcore.cli.common import check_fits, check_output_path, parse_device, require_backend
+from kvcore.errors import InvalidArgument
 from kvcore.layout import Kind, Layout, parse_enum
 from kvcore.plan import dtype_name
 from kvcore.registry import REFERENCE, default_registry
@@ -143,7 +144,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _queue_cases(args: argparse.Namespace, device: torch.device) -> list[queue.QueueCase]:
     on_gpu = has_streams(device)
-    pages = (tuple(int(p) for p in _split([args.queue_pages]) or ()) if args.queue_pages
+    pages = (_positive_ints("--queue-pages", args.queue_pages) if args.queue_pages
              else (1, 4, 16, 64) if on_gpu else (1, 4))
     kinds = tuple(parse_enum(Kind, k, "kind") for k in _split(args.kind) or ("mha", "mla"))
     layouts = tuple(parse_enum(Layout, v, "layout")
@@ -152,6 +153,18 @@ def _queue_cases(args: argparse.Namespace, device: torch.device) -> list[queue.Q
     layers = _split(args.num_layers)
     return queue.queue_cases(pages, kinds, layouts, budget,
                              num_layers=int(layers[0]) if layers else 32 if on_gpu else 8)
+
+
+def _positive_ints(option: str, value: str) -> tuple[int, ...]:
+    """A comma-separated list of positive integers, else InvalidArgument naming ``option``."""
+    words = _split([value]) or []
+    try:
+        numbers = tuple(int(w) for w in words)
+    except ValueError:
+        numbers = ()
+    if not numbers or min(numbers) < 1:
+        raise InvalidArgument(option, "positive integers, comma-separated", repr(value))
+    return numbers
 
 
 def _check_memory(cases: list[Case], names: list[str], device: torch.device) -> None:

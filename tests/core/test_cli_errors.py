@@ -111,6 +111,19 @@ def test_bench_report_into_a_missing_folder_fails_before_the_sweep(
             "no folder")
 
 
+@pytest.mark.parametrize("pages", ["0", "x", "-1", "1,0"])
+def test_bench_queue_pages_must_be_positive_integers(
+        pages: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvcore.bench.runner import Bench
+
+    def no_sweep(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the sweep started")
+
+    monkeypatch.setattr(Bench, "run", no_sweep)
+    refused(capsys, ["bench", *SMALL, "--through", "both", "--queue-pages", pages],
+            "InvalidArgument", "--queue-pages", "positive integers", repr(pages))
+
+
 def test_merge_report_into_a_missing_folder(tmp_path: Path, bench_json: dict,
                                             capsys: pytest.CaptureFixture[str]) -> None:
     good = _write(tmp_path / "good.json", bench_json)
