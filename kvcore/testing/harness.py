@@ -9,7 +9,10 @@ reproduction: the case's facts, the index pages (abbreviated) and the seed.
 
 from __future__ import annotations
 
+import functools
+import traceback
 from collections.abc import Callable
+from typing import ParamSpec
 
 import attrs
 import torch
@@ -33,10 +36,41 @@ from kvcore.testing.recording import Received, RecordingBackend
 from kvcore.verify import random_fill
 
 REFERENCE = "reference"
+P = ParamSpec("P")
 
 
 class ConformanceFailure(AssertionError):
     """A backend did something the contract forbids; the message says what and how to rerun."""
+
+
+#: frames of a backend's own raise kept in a failure's message (its cause is then dropped)
+CAUSE_FRAMES = 4
+
+
+def detached(check: Callable[P, None]) -> Callable[P, None]:
+    """``check`` whose ConformanceFailure holds text only: no traceback into the frames that
+    hold the case's pools, nor the backend's exception with its frames. Hypothesis keeps
+    every failing example's exception while it shrinks, and pytest the last one: with the
+    frames, a backend failing the randomised full-size cases kept gigabytes alive per case.
+    The backend's raise stays in the message, its innermost frames as text."""
+
+    @functools.wraps(check)
+    def run(*args: P.args, **kwargs: P.kwargs) -> None:
+        try:
+            check(*args, **kwargs)
+            return
+        except ConformanceFailure as failure:
+            message = str(failure)
+            cause = failure.__cause__
+            if cause is not None:
+                frames = traceback.format_tb(cause.__traceback__)[-CAUSE_FRAMES:]
+                message += "\nwhere it raised (innermost frames):\n" + "".join(frames).rstrip()
+            del cause
+        # raised outside the handler: inside it, the new failure's __context__ would keep the
+        # old one, and with it every frame
+        raise ConformanceFailure(message)
+
+    return run
 
 
 @attrs.define
@@ -47,6 +81,8 @@ class Env:
     device: torch.device
     registry: Registry
     recorders: dict[str, RecordingBackend]
+    #: the case sizes ("quick" or "full"), which a rerun must ask for again
+    profile: str = "quick"
 
     def received(self) -> list[Received]:
         rec = self.recorders.get(str(self.device))
@@ -156,7 +192,7 @@ def reproduction(env: Env, case: Case, rig: Rig | None = None) -> str:
         lines.append(f"  host_indices pages:   {_abbrev((rig.host_indices[::p] // p).tolist())}")
         lines.append(f"  device_indices pages: {_abbrev((rig.device_indices[::p] // p).tolist())}")
     lines.append(f"  rerun: pytest --kvio-backend {env.backend} --kvio-device {env.device} "
-                 f"-k '{case.id}'")
+                 f"--kvio-{env.profile} -k '{case.id}'")
     return "\n".join(lines)
 
 
@@ -322,13 +358,28 @@ def run_backend(env: Env, case: Case, rig: Rig, op: Op, h: torch.Tensor,
     try:
         transfer(env, case, rig, op, env.backend, h, d)
     except Exception as exc:  # any raise is the backend's failure, reported
-        got = seen[start:]
-        facts = got[-1].summary() if got else "run() was not reached"
-        raise fail(env, case, rig,
-                   f"{op.value} raised {type(exc).__name__}: {exc}\n  {facts}; if the kernel "
-                   f"needs its indices elsewhere, the residency its OpSupport declares is "
-                   f"wrong") from exc
+        raise fail(env, case, rig, _raised(op, exc, seen[start:], env.device)) from exc
     return seen[start:]
+
+
+def _raised(op: Op, exc: Exception, got: list[Received], device: torch.device) -> str:
+    """What a failure of the backend under test says: the raise, what run() received, and
+    only the hints that can apply."""
+    lines = [f"{op.value} raised {type(exc).__name__}: {exc}"]
+    if not got:
+        lines.append("run() was not reached (the error above says what stopped the call "
+                     "first)")
+        return "\n  ".join(lines)
+    lines.append(got[-1].summary())
+    if not isinstance(exc, KVCoreError):
+        lines.append(f"run() raised a bare {type(exc).__name__}: the contract asks for a "
+                     "kvcore.errors.KVCoreError subclass (KernelError for a kernel that failed, "
+                     "InvalidArgument naming the argument for one the backend cannot take; "
+                     "docs/writing-a-backend.md, Errors)")
+    if torch.device("cpu") != device:  # on the CPU both residencies are the same memory
+        lines.append("if the kernel needs its indices elsewhere, the residency its OpSupport "
+                     "declares is wrong")
+    return "\n  ".join(lines)
 
 
 def expected_variant(env: Env, case: Case, h: torch.Tensor, d: torch.Tensor) -> str | None:
@@ -350,6 +401,7 @@ def expected_variant(env: Env, case: Case, h: torch.Tensor, d: torch.Tensor) -> 
                  and v.device_index.residency is Residency.DEVICE), case.variant)
 
 
+@detached
 def check_transfer(env: Env, case: Case) -> None:
     """The differential check of one op: backend vs reference on identical pools."""
     rig = build(env, case)
@@ -383,6 +435,7 @@ def _expected_host(rig: Rig) -> torch.Tensor:
     return out
 
 
+@detached
 def check_round_trip(env: Env, case: Case) -> None:
     """Write pages back, load them into other device pages, and find the original bytes."""
     assert case.then is not None
@@ -471,6 +524,7 @@ def _controller_call(env: Env, case: Case, rig: Rig) -> tuple[Refusal, HiCacheCo
     return Refusal(lambda: ctl.write(bad), InvalidIndices, "device_indices"), ctl
 
 
+@detached
 def check_refusal(env: Env, case: Case) -> None:
     """A bad call is refused with the typed error, before the backend runs, changing nothing."""
     rig = build(env, case, device_pages=case.n_pages + spare_pages(case.n_pages) + 2)

@@ -168,7 +168,7 @@ def kvio_env(kvio_settings: Settings) -> Iterator[Env]:
     if not avail:
         pytest.skip(f"unavailable: {avail.reason}")  # type: ignore[union-attr]
     with recorded(registry, name) as recorders:
-        yield Env(name, device, registry, recorders)
+        yield Env(name, device, registry, recorders, kvio_settings.profile.name)
 
 
 @pytest.fixture(scope="session")

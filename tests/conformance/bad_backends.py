@@ -103,10 +103,18 @@ def _signaled_ops(ops: tuple) -> tuple:
                  for s in ops)
 
 
+class RaisesBare(_Delegate):
+    """Raises a bare ValueError for more than 3 pages (the contract asks for KVCoreError)."""
+
+    def check(self, job: TransferJob) -> None:
+        if job.device_indices.numel() > 3 * job.host_geometry.page_size:
+            raise ValueError("too many tokens")
+
+
 def register_bad(registry: Registry) -> None:
     """Register the bad backends (flipped_byte, wrong_residency, no_bound_check,
-    forgets_signals) and correct ones that claim write-back only (write_only) or submit a
-    per-layer load as one job (signaled)."""
+    forgets_signals, raises_bare) and correct ones that claim write-back only (write_only) or
+    submit a per-layer load as one job (signaled)."""
     ref = registry.get("reference").spec.capabilities
     plans = {
         "flipped_byte": (FlippedByte, ref.ops),
@@ -116,6 +124,7 @@ def register_bad(registry: Registry) -> None:
         "write_only": (_Delegate, tuple(s for s in ref.ops if s.op is Op.WRITE_BACK)),
         "signaled": (Signaled, _signaled_ops(ref.ops)),
         "forgets_signals": (ForgetsSignals, _signaled_ops(ref.ops)),
+        "raises_bare": (RaisesBare, ref.ops),
     }
     for name, (cls, ops) in plans.items():
         caps = attrs.evolve(ref, name=name, ops=ops, priority=-100, description=cls.__doc__)

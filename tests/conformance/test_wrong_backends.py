@@ -43,11 +43,43 @@ def test_suite_fails_with_the_cause(bad_backends: None, name: str) -> None:
     for failure in transfers:
         assert any(c in failure.message for c in CAUSES[name]), failure.message
         assert f"reproduction: backend={name} device=cpu" in failure.message
+        # the rerun asks for the same case sizes (the cpu default is quick, not full)
+        assert f"rerun: pytest --kvio-backend {name} --kvio-device cpu --kvio-quick -k '" \
+            in failure.message
         assert "seed=" in failure.message and "host_indices pages:" in failure.message
     assert any(CAUSES[name][0] in f.message for f in transfers), causes
     refusals = [f for f in result.failures if "TestBadInputs" in f.nodeid]
     assert not refusals, "bad inputs are refused before any backend runs"
     assert all(c["failed"] == 0 for row, c in result.counts.items() if "bad_input" in row)
+
+
+def test_a_bare_raise_is_named_as_one_with_the_backends_own_frames(bad_backends: None) -> None:
+    result = run_suite("raises_bare", "cpu", quick=True,
+                       extra=["-q", "--tb=short", "-k", "TestPageCounts and p4 and write_back"])
+    assert result.failures
+    for failure in result.failures:
+        message = failure.message
+        assert "write_back raised ValueError: too many tokens" in message
+        assert "run() raised a bare ValueError: the contract asks for a " \
+               "kvcore.errors.KVCoreError subclass" in message
+        assert "where it raised (innermost frames):" in message and "bad_backends.py" in message
+        # on the cpu both residencies are the same memory: no hint about them
+        assert "the residency its OpSupport declares is wrong" not in message
+
+
+def test_a_failing_randomised_case_keeps_no_pool_alive(bad_backends: None) -> None:
+    """Hypothesis keeps every failing example's exception while it shrinks: a failure must
+    not hold the frames that hold the case's pools (full-size cases kept gigabytes)."""
+    import gc
+
+    from kvcore.testing.harness import Rig
+
+    result = run_suite("raises_bare", "cpu", quick=True,
+                       extra=["-q", "--tb=short", "-k",
+                              "TestRandomised and write_back and mha and page_first"])
+    assert result.failures
+    gc.collect()
+    assert not [o for o in gc.get_objects() if type(o) is Rig]
 
 
 def test_reference_passes_the_same_selection() -> None:
