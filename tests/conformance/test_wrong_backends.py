@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -117,3 +118,33 @@ def test_matrix_reports_unclaimed_rows(bad_backends: None) -> None:
         else:
             assert counts["not claimed"] > 0 and counts["passed"] == 0, row
     assert "not claimed" in matrix(result)
+
+
+def test_kvio_check_from_a_plugins_folder_honours_its_kvio_xfail(
+        bad_backends: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from kvcore.cli import main
+
+    argv = ["check", "raises_bare", "--device", "cpu", "-k",
+            "TestPageCounts and p4 and write_back"]
+    monkeypatch.chdir(tmp_path)
+    assert main(argv) == 1  # no configuration here: the failures count
+    (tmp_path / "pyproject.toml").write_text(
+        '[project]\nname = "kvio-raises-bare"\n\n[tool.pytest.ini_options]\n'
+        'kvio_xfail = ["write_back-*-p4-*: more than 3 pages land in 0.2"]\n')
+    capsys.readouterr()
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert f"pytest configuration {tmp_path / 'pyproject.toml'}" in out
+    from kvcore.testing.runner import OUTCOMES
+
+    total = dict(zip(OUTCOMES, map(int, out.split("\ntotal")[1].split()), strict=True))
+    assert total["failed"] == 0 and total["xfail"] > 0, out
+
+
+def test_kvio_check_fails_when_its_selection_matches_nothing(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from kvcore.cli import main
+
+    assert main(["check", "reference", "--device", "cpu", "-k", "typo_xyz"]) == 1
+    assert "reference: no case matches -k 'typo_xyz'" in capsys.readouterr().out
