@@ -188,12 +188,14 @@ def parse_enum(cls: type[E], value: object, argument: str) -> E:
         raise InvalidArgument(argument, f"one of {allowed}", repr(value)) from None
 
 
-def check_combination(op: Op, kind: Kind, layout: Layout) -> None:
-    """Raise UnsupportedCombination if (op, kind, layout) does not exist.
+def check_combination(op: Op | str, kind: Kind | str, layout: Layout | str) -> None:
+    """Raise UnsupportedCombination if (op, kind, layout) does not exist (InvalidArgument for
+    a name that is none of them).
 
     Every op exists for every layout of a kind; a layout exists for a kind when its record
     has axes for that kind (page_head has none for MLA).
     """
+    op, kind = parse_enum(Op, op, "op"), parse_enum(Kind, kind, "kind")
     s = spec(layout)
     if not s.exists_for(kind):
         raise UnsupportedCombination(
@@ -201,14 +203,16 @@ def check_combination(op: Op, kind: Kind, layout: Layout) -> None:
             f"{op.value}" + (f"; {s.mla_missing}" if s.mla_missing else ""))
 
 
-def layouts_for(kind: Kind) -> tuple[Layout, ...]:
+def layouts_for(kind: Kind | str) -> tuple[Layout, ...]:
     """The host layouts that exist for ``kind``, in declaration order."""
+    kind = parse_enum(Kind, kind, "kind")
     return tuple(lay for lay in Layout if spec(lay).exists_for(kind))
 
 
-def head_group_options(kind: Kind, layout: Layout, head_num: int, head_dim: int,
+def head_group_options(kind: Kind | str, layout: Layout | str, head_num: int, head_dim: int,
                        itemsize: int) -> tuple[int, ...]:
     """Every head_group_num a pool of this kind, layout and element may use."""
+    kind = parse_enum(Kind, kind, "kind")
     s = spec(layout)
     counts = range(1, head_num + 1) if s.has_head_groups(kind) else (1,)
     return tuple(n for n in counts if head_num % n == 0

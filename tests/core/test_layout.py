@@ -237,3 +237,22 @@ def test_writing_through_the_view_writes_the_located_bytes(g: Geometry) -> None:
                 for head in range(g.head_num):
                     assert torch.equal(buf[locate(g, kv, layer, token, head)],
                                        _at(view, g, kv, layer, token, head))
+
+
+def test_the_layout_helpers_take_names_and_refuse_what_is_none() -> None:
+    """layouts.md: a name that is not a layout (or kind, or op) is an InvalidArgument
+    everywhere; a name that is one answers as its member does."""
+    from kvcore.errors import InvalidArgument, UnsupportedCombination
+    from kvcore.layout import Kind, Layout, check_combination, head_group_options, layouts_for
+
+    assert layouts_for("mha") == layouts_for(Kind.MHA) and Layout.PAGE_HEAD in layouts_for("mha")
+    assert head_group_options("mha", "page_unified", 8, 128, 2) == \
+        head_group_options(Kind.MHA, Layout.PAGE_UNIFIED, 8, 128, 2) == (1, 2, 4, 8)
+    with pytest.raises(UnsupportedCombination, match="page_head is defined for MHA only"):
+        check_combination("write_back", "mla", "page_head")
+    for call, argument in ((lambda: layouts_for("bogus"), "kind"),
+                           (lambda: check_combination("write_back", "mlx", "page_first"), "kind"),
+                           (lambda: check_combination("write-back", "mla", "page_first"), "op"),
+                           (lambda: head_group_options("mha", "page-head", 8, 128, 2), "layout")):
+        with pytest.raises(InvalidArgument, match=rf"^{argument}: expected one of "):
+            call()
