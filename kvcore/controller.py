@@ -236,7 +236,8 @@ class HiCacheController:
         any other tensor is (whole pages, in range, each once), and a page that is not
         allocated is refused with nothing freed."""
         with self._lock:
-            self.allocator.free(host_indices, checked=host_indices in self._issued)
+            self.allocator.free(host_indices, checked=host_indices in self._issued,
+                                name="host_indices")
 
     # -- load ------------------------------------------------------------------------------
 

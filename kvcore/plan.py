@@ -287,8 +287,8 @@ class BoundPlan:
         d = check_index_tensor("device_indices", device_indices, ctx)
         for name, t in (("host_indices", h), ("device_indices", d)):
             if not t.is_cpu and t.device != self.device:
-                raise TensorMismatch(name, f"a tensor on cpu or {self.device}",
-                                     describe_tensor(t), ctx)
+                where = "cpu" if self.device.type == "cpu" else f"cpu or {self.device}"
+                raise TensorMismatch(name, f"a tensor on {where}", describe_tensor(t), ctx)
         if h.numel() != d.numel():
             raise InvalidIndices("device_indices", f"{h.numel()} entries (as many as "
                                   "host_indices)", f"{d.numel()}", ctx)

@@ -191,30 +191,33 @@ class SlotAllocator:
                 tokens = self._tokens.take(pages, axis=0).reshape(-1)
         return torch.from_numpy(tokens), tokens
 
-    def free(self, indices: torch.Tensor, *, checked: bool = False) -> None:
-        """Return whole pages; freeing a page that is not allocated raises and frees nothing.
+    def free(self, indices: torch.Tensor, *, checked: bool = False,
+             name: str = "indices") -> None:
+        """Return whole pages; freeing a page that is not allocated raises and frees nothing
+        (errors name the argument ``name``).
 
         ``checked``: the caller vouches that ``indices`` holds whole pages of this pool, each
         once (tensors this allocator handed out, unchanged since; the controller knows which
         through :class:`~kvcore.validate.CheckedTensors`): their values are then not checked
         again, only that every page is still allocated."""
-        pages = self._pages_of("indices", indices, checked)
+        pages = self._pages_of(name, indices, checked)
         n = pages.size
         if n == 0:
             return
         if n > 1 and not checked:
             ordered = np.sort(pages)
             if np.count_nonzero(ordered[1:] == ordered[:-1]):
-                raise AllocatorError("double free: the same page appears twice in one free() "
-                                     "call")
+                raise AllocatorError(f"{name}: double free, the same page appears twice in "
+                                     "one free() call; nothing was freed")
         with self._lock:
             taken = self._taken
             held = taken[pages]
             if np.count_nonzero(held) != n:
                 page = int(pages[np.flatnonzero(~held)[0]])
-                raise AllocatorError(f"double free: page {page} (slots "
-                                     f"{page * self.page_size}.."
-                                     f"{(page + 1) * self.page_size - 1}) is not allocated")
+                raise AllocatorError(f"{name}: page {page} (slots {page * self.page_size}.."
+                                     f"{(page + 1) * self.page_size - 1}) is not allocated: "
+                                     "freed already (a double free) or never handed out; "
+                                     "nothing was freed")
             taken[pages] = False
             top = self._top
             self._free[top:top + n] = pages[::-1]

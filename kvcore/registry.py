@@ -194,10 +194,16 @@ class Registry:
                 return
             self._discovered = True
             self._refused = {}
-            for name, claims in self._claims().items():
+            claimed = self._claims()
+            for name, claims in claimed.items():
                 chosen = self._trusted_claim(name, claims)
                 if chosen is not None:
                     self._load_entry_point(*chosen)
+            for name in sorted(set(self.allow_list() or ()) - set(claimed) - {REFERENCE}):
+                # a typo in the allow-list would otherwise leave its plugin out unsaid
+                self._refuse(name, None, f"KVCORE_PLUGINS names {name!r}, but no installed "
+                                         "distribution has that entry point (installed: "
+                                         f"{', '.join(sorted(claimed)) or 'none'})")
 
     def _claims(self) -> dict[str, list[tuple[metadata.EntryPoint, str | None]]]:
         """Installed entry points by name, each with its distribution (one per distribution)."""

@@ -35,7 +35,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--backend", default=None, help="force a backend, as KVCORE_BACKEND does")
     p.add_argument("--write-policy", default=WritePolicy.WRITE_THROUGH.value,
                    choices=[w.value for w in WritePolicy])
-    bounds = p.add_argument_group("bounds (the first reached stops the run)")
+    bounds = p.add_argument_group("bounds (the first reached stops the run; checked between "
+                                  "waves of --concurrency requests, so a run may pass one by "
+                                  "up to a wave)")
     bounds.add_argument("--min-transfers", type=int, default=10_000,
                         help="stop once this many pages were written plus loaded "
                              "(default 10000; 0 for no bound)")
@@ -68,6 +70,12 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     return p
 
 
+#: options that take a positive integer where given (0 would run something else or nothing)
+POSITIVE = ("--layers", "--heads", "--head-dim", "--device-pages",
+            "--host-pages", "--concurrency", "--sessions", "--prompts", "--prompt-pages",
+            "--max-turns", "--max-requests")
+
+
 def config_from_args(args: argparse.Namespace) -> ReplayConfig:
     """The :class:`ReplayConfig` the command line describes."""
     dtype = getattr(torch, args.dtype, None)
@@ -76,6 +84,10 @@ def config_from_args(args: argparse.Namespace) -> ReplayConfig:
     if args.page_size < 1:
         raise InvalidArgument("page_size", "a positive number of tokens per page (--page-size)",
                               str(args.page_size))
+    for option in POSITIVE:
+        value = getattr(args, option.removeprefix("--").replace("-", "_"))
+        if value is not None and value < 1:
+            raise InvalidArgument(option, "a positive integer", str(value))
     workload = WorkloadConfig(system_prompts=args.prompts, prompt_pages=args.prompt_pages,
                               live_sessions=args.sessions, concurrency=args.concurrency,
                               max_turns=args.max_turns, seed=args.seed)

@@ -6,6 +6,7 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -165,7 +166,9 @@ def test_full_host_pool_refuses_and_changes_nothing(ctl: HiCacheController) -> N
 def test_double_free_of_host_pages_changes_nothing(ctl: HiCacheController) -> None:
     m = ctl.members[0]
     before = snapshot(m.device, m.host)
-    with pytest.raises(AllocatorError, match=r"double free: page 1"):
+    with pytest.raises(AllocatorError, match=r"^host_indices: page 1 \(slots 4\.\.7\) is not "
+                                             r"allocated: freed already \(a double free\) or "
+                                             r"never handed out; nothing was freed$"):
         ctl.free_host(tok(0, 1))
     assert_unchanged(m.device, m.host, before)
 
@@ -173,9 +176,11 @@ def test_double_free_of_host_pages_changes_nothing(ctl: HiCacheController) -> No
 def test_wait_layer_out_of_range(ctl: HiCacheController) -> None:
     handle = ctl.load(tok(0), D8[:4])
     handle.wait()
-    for layer in (-1, LAYERS):
+    for layer in (-1, LAYERS, np.int64(LAYERS), 1.0, "0", None):
         with pytest.raises(InvalidArgument, match=r"^layer: expected an int in"):
-            handle.wait_layer(layer)
+            handle.wait_layer(layer)  # type: ignore[arg-type]
+    handle.wait_layer(np.int64(LAYERS - 1))  # an integer of another type is that layer
+    handle.wait_layer(torch.tensor(0))
 
 
 def test_the_controller_still_works_after_refusals(ctl: HiCacheController) -> None:

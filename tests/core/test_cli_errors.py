@@ -282,6 +282,13 @@ def test_bench_page_size_error_names_page_size(capsys: pytest.CaptureFixture[str
             "InvalidArgument: page_size: ")
 
 
+@pytest.mark.parametrize("option", ["--layers", "--heads", "--host-pages", "--device-pages",
+                                    "--concurrency", "--max-requests"])
+def test_replay_sizes_must_be_positive(option: str, capsys: pytest.CaptureFixture[str]) -> None:
+    refused(capsys, ["replay", *REPLAY_SMALL, option, "0"], "InvalidArgument",
+            f"InvalidArgument: {option}: expected a positive integer, got 0")
+
+
 @pytest.mark.parametrize("page_size", ["0", "1"])
 def test_replay_page_size_error_names_page_size(page_size: str,
                                                 capsys: pytest.CaptureFixture[str]) -> None:

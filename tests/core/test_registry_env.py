@@ -52,6 +52,17 @@ def test_plugins_allow_list_adds_reference_and_ignores_unknown(value: str) -> No
     assert _loaded(Registry(environ={"KVCORE_PLUGINS": value})) == {"reference", "cuda"}
 
 
+def test_an_allow_list_name_no_plugin_has_is_reported_not_ignored() -> None:
+    reg = Registry(environ={"KVCORE_PLUGINS": "cuda,nosuch"})
+    assert _loaded(reg) == {"reference", "cuda"}
+    (refusal,) = [r for r in reg.refused() if r.name == "nosuch"]
+    assert refusal.distribution is None
+    assert refusal.reason.startswith("KVCORE_PLUGINS names 'nosuch', but no installed "
+                                     "distribution has that entry point (installed: ")
+    assert "cuda" in refusal.reason and "rocm" in refusal.reason
+    assert not [r for r in reg.refused() if r.name in INSTALLED]
+
+
 def test_plugins_allow_list_names_a_fake_installed_plugin(fake_plugin: FakePlugin) -> None:
     ok, _ = fake_plugin(good_plugin_source("extra"))
     fake_plugin(BROKEN_PLUGIN_SOURCE)
