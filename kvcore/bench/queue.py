@@ -36,7 +36,7 @@ from kvcore.bench.ceiling import Ceiling
 from kvcore.bench.sweep import MHA_HEAD_DIM
 from kvcore.bench.timing import gib_per_s
 from kvcore.controller import HiCacheController
-from kvcore.layout import Kind, Layout
+from kvcore.layout import Kind, Layout, layouts_for
 from kvcore.plan import dtype_name
 from kvcore.pools import DevicePool
 from kvcore.registry import Registry, allocate_host_pool
@@ -144,10 +144,12 @@ def queue_cases(pages: tuple[int, ...], kinds: tuple[Kind, ...], layouts: tuple[
                 budget_bytes: int, max_calls: int = 128,
                 num_layers: int = 32) -> list[QueueCase]:
     """Writes and loads of each page count: as many calls as move ``budget_bytes`` (at least
-    4, at most ``max_calls``)."""
+    4, at most ``max_calls``), for each layout that exists for the kind."""
     out = []
     for kind in kinds:
         for layout in layouts:
+            if layout not in layouts_for(kind):
+                continue
             for op in ("write", "load"):
                 for n in pages:
                     one = QueueCase(op, kind, layout, n, 1, num_layers=num_layers)

@@ -8,7 +8,7 @@ import shlex
 import signal
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -18,7 +18,7 @@ from kvcore.bench.runner import Bench, BenchResult
 from kvcore.bench.sweep import PRESETS, Case, expand, override
 from kvcore.cli.common import check_fits, check_output_path, parse_device, require_backend
 from kvcore.errors import InvalidArgument
-from kvcore.layout import Kind, Layout, parse_enum
+from kvcore.layout import Kind, Layout, layouts_for, parse_enum
 from kvcore.plan import dtype_name
 from kvcore.registry import REFERENCE, default_registry
 from kvcore.streams import has_streams
@@ -149,6 +149,7 @@ def _queue_cases(args: argparse.Namespace, device: torch.device) -> list[queue.Q
     kinds = tuple(parse_enum(Kind, k, "kind") for k in _split(args.kind) or ("mha", "mla"))
     layouts = tuple(parse_enum(Layout, v, "layout")
                     for v in _split(args.layout) or ("page_first",))
+    check_layouts_exist(kinds, layouts)
     budget = (1 << 30) if on_gpu else (8 << 20)
     layers = _split(args.num_layers)
     return queue.queue_cases(pages, kinds, layouts, budget,
@@ -187,7 +188,26 @@ def _check_memory(cases: list[Case], names: list[str], device: torch.device) -> 
 def _cases(args: argparse.Namespace) -> list[Case]:
     sweep = override(PRESETS[args.preset],
                      **{field: _split(getattr(args, opt)) for opt, field in AXES.items()})
-    return expand(sweep)
+    if args.layout:  # (a preset's layouts may include some that not every kind has)
+        check_layouts_exist(sweep.kinds, sweep.layouts)
+    cases = expand(sweep)
+    if not cases:
+        raise InvalidArgument(
+            "--head-group-num", "a head group count some layout asked for takes with these "
+                                "elements (kvcore.layout.head_group_options)",
+            f"{', '.join(map(str, sweep.head_group_nums))}: no case is left")
+    return cases
+
+
+def check_layouts_exist(kinds: Sequence[Kind], layouts: Sequence[Layout]) -> None:
+    """Refuse a layout asked for that exists for none of the kinds asked for (its rows would
+    be left out without a word, or fail)."""
+    for layout in layouts:
+        if not any(layout in layouts_for(kind) for kind in kinds):
+            asked = ", ".join(k.value for k in kinds)
+            has = ", ".join(k.value for k in Kind if layout in layouts_for(k))
+            raise InvalidArgument("--layout", f"layouts that exist for {asked}",
+                                  f"{layout.value} (for {has} only)")
 
 
 def _name_not_run(result: BenchResult, command: str) -> None:

@@ -124,6 +124,33 @@ def test_bench_queue_pages_must_be_positive_integers(
             "InvalidArgument", "--queue-pages", "positive integers", repr(pages))
 
 
+@pytest.mark.parametrize(("axes", "option", "needle"), [
+    (["--kind", "mla", "--layout", "page_head"], "--layout", "page_head (for mha only)"),
+    (["--kind", "mla", "--layout", "page_first,page_head"], "--layout", "page_head"),
+    (["--through", "controller", "--kind", "mla", "--layout", "page_head"], "--layout",
+     "page_head"),
+    (["--layout", "page_unified", "--head-group-num", "3"], "--head-group-num",
+     "no case is left"),
+])
+def test_bench_refuses_a_sweep_with_asked_for_parts_that_cannot_exist(
+        axes: list[str], option: str, needle: str, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A layout asked for that no kind asked for has was dropped without a word (or its
+    controller rows failed, exit 0)."""
+    from kvcore.bench.runner import Bench
+
+    def no_sweep(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the sweep started")
+
+    monkeypatch.setattr(Bench, "run", no_sweep)
+    small = list(SMALL)
+    i = small.index("--kind")
+    del small[i:i + 2]
+    i = small.index("--layout")
+    del small[i:i + 2]
+    refused(capsys, ["bench", *small, *axes], "InvalidArgument", option, needle)
+
+
 def test_merge_report_into_a_missing_folder(tmp_path: Path, bench_json: dict,
                                             capsys: pytest.CaptureFixture[str]) -> None:
     good = _write(tmp_path / "good.json", bench_json)
