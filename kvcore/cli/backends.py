@@ -11,7 +11,7 @@ import torch
 
 from kvcore.capabilities import Unavailable
 from kvcore.cli.common import parse_device
-from kvcore.errors import NO_PLUGIN_HINT
+from kvcore.errors import NO_PLUGIN_HINT, InvalidArgument
 from kvcore.layout import Kind, Layout, Op
 from kvcore.plan import dtype_name
 from kvcore.registry import Registry, default_registry, make_request
@@ -128,10 +128,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _explain(args: argparse.Namespace, registry: Registry) -> int:
-    device = parse_device(args.device)
+    # what would be chosen for a device this machine may not have (asked from a CPU box about
+    # a GPU one): resolution reads the capabilities and availability, never the device
+    device = parse_device(args.device, must_exist=False)
     dtype = getattr(torch, args.dtype, None)
     if not isinstance(dtype, torch.dtype):
-        raise SystemExit(f"kvio backends: --dtype {args.dtype!r} is not a torch dtype")
+        raise InvalidArgument("--dtype", "a torch dtype name such as bfloat16", repr(args.dtype))
     req = make_request(args.op, args.kind, args.layout, dtype, args.element_bytes, device)
     res = registry.explain(req, args.backend)
     result = {

@@ -24,9 +24,11 @@ def default_device() -> torch.device:
     return resolve_device(acc.type) if acc else torch.device("cpu")
 
 
-def parse_device(value: str | None, option: str = "--device") -> torch.device:
-    """The torch device ``value`` names, refused unless this machine has it; None gives the
-    accelerator if there is one, else the CPU."""
+def parse_device(value: str | None, option: str = "--device",
+                 must_exist: bool = True) -> torch.device:
+    """The torch device ``value`` names, refused unless this machine has it (``must_exist``;
+    without it, any device torch can name: a question about another machine); None gives
+    the accelerator if there is one, else the CPU."""
     if value is None:
         return default_device()
     try:
@@ -34,7 +36,7 @@ def parse_device(value: str | None, option: str = "--device") -> torch.device:
     except (RuntimeError, ValueError):
         raise InvalidArgument(option, "a torch device such as cpu or cuda:0",
                               repr(value)) from None
-    if device.type == "cpu":
+    if device.type == "cpu" or not must_exist:
         return device
     module = getattr(torch, device.type, None)
     is_available = getattr(module, "is_available", None)

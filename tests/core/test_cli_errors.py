@@ -180,10 +180,23 @@ COMMANDS = {
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
-@pytest.mark.parametrize("command", sorted(COMMANDS))
+@pytest.mark.parametrize("command", sorted(set(COMMANDS) - {"backends"}))
 def test_cuda_device_on_a_cpu_machine(command: str, capsys: pytest.CaptureFixture[str]) -> None:
     refused(capsys, [*COMMANDS[command], "--device", "cuda:0"], "InvalidArgument", "--device",
             "'cuda:0'", "no cuda device")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_explain_answers_for_a_device_this_machine_lacks(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """README's and writing-a-backend.md's --explain commands name cuda:0: asked from a CPU
+    box they say why cuda would not be chosen here, rather than refusing the device."""
+    rc = main(["backends", "--explain", "--op", "write_back", "--kind", "mha", "--layout",
+               "page_first", "--device", "cuda:0"])
+    out = capsys.readouterr().out
+    assert out.startswith("request: write_back mha/page_first bfloat16 element ")
+    assert " on cuda:0\n" in out and "  cuda: unavailable: " in out
+    assert rc == (0 if "chosen:  reference" in out else 1)
 
 
 @pytest.mark.parametrize("command", sorted(COMMANDS))
