@@ -301,14 +301,19 @@ def host_shape(g: Geometry) -> tuple[int, ...]:
     return tuple(_prod(ext[a] for a in d) for d in spec(g.layout).dims(g.kind))
 
 
+def shape_names(kind: Kind, layout: Layout) -> str:
+    """The axes of a host buffer of ``kind`` and ``layout``, as ``(page, layer, ...)``."""
+    return "(" + ", ".join("*".join(d) for d in spec(layout).dims(kind)) + ")"
+
+
 def size_from_shape(shape: Sequence[int], kind: Kind, layout: Layout, page_size: int) -> int:
     """The host tokens a buffer of ``shape`` holds (the inverse of :func:`host_shape`)."""
     dims = spec(layout).dims(kind)
     shape = tuple(int(x) for x in shape)
     if len(shape) != len(dims):
-        names = "(" + ", ".join("*".join(d) for d in dims) + ")"
         raise InvalidArgument("buffer", f"a {len(dims)}-dimensional {kind.value} "
-                              f"{spec(layout).layout.value} buffer {names}", f"shape {shape}")
+                              f"{spec(layout).layout.value} buffer {shape_names(kind, layout)}",
+                              f"shape {shape}")
     (i, d), = ((i, d) for i, d in enumerate(dims) if "page" in d)
     return shape[i] if "token" in d else shape[i] * page_size
 

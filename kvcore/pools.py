@@ -20,6 +20,7 @@ from kvcore.layout import (
     byte_strides,
     host_shape,
     parse_enum,
+    shape_names,
     size_from_shape,
 )
 from kvcore.validate import check_cpu_indices, check_index_tensor, describe_tensor
@@ -275,8 +276,17 @@ class HostPool:
         k = parse_enum(Kind, kind, "kind")
         lay = parse_enum(Layout, layout, "layout")
         size = size_from_shape(tuple(buffer.shape), k, lay, page_size)
-        g = Geometry(k, lay, num_layers, size, head_num, head_dim, page_size,
-                     head_group_num)
+        try:
+            g = Geometry(k, lay, num_layers, size, head_num, head_dim, page_size,
+                         head_group_num)
+        except InvalidArgument as exc:
+            if exc.argument != "size":
+                raise
+            # the size was read from the buffer's shape: the shape is what is wrong
+            raise TensorMismatch(
+                "buffer", f"a {k.value} {lay.value} buffer whose token axes hold whole pages of "
+                          f"{page_size} (axes {shape_names(k, lay)})",
+                f"{describe_tensor(buffer)}: {size} tokens") from None
         if memory is None:
             memory = HostMemory.PINNED if buffer.is_pinned() else HostMemory.PLAIN
         return cls(g, buffer, memory)

@@ -212,3 +212,17 @@ def test_a_variant_that_claims_nothing_real_is_refused_when_declared(
         kw[field] = value
     with pytest.raises(InvalidArgument, match=message):
         op_support(*args.values(), **kw)  # type: ignore[arg-type]
+
+
+def test_a_wrapped_host_buffer_of_the_wrong_shape_is_named_as_the_buffer() -> None:
+    """Its size is read from its shape: a transposed buffer is a wrong buffer, not a wrong
+    size (it said 'size: expected a multiple of page_size 64, got 2')."""
+    from kvcore.layout import Geometry, host_shape
+
+    shape = host_shape(Geometry(Kind.MHA, Layout.PAGE_FIRST, 4, 1024, 8, 64, 64))
+    buffer = torch.zeros(*shape, dtype=torch.bfloat16).transpose(0, 1)
+    with pytest.raises(TensorMismatch, match=r"^buffer: expected a mha page_first buffer whose "
+                                             r"token axes hold whole pages of 64 \(axes \(kv, "
+                                             r"page\*token, layer, head, dim\)\), got bfloat16 "
+                                             r"\(1024, 2, 4, 8, 64\) on cpu: 2 tokens$"):
+        HostPool.wrap(buffer, "mha", "page_first", 4, 8, 64, 64)
