@@ -10,6 +10,7 @@ import torch
 
 from kvcore.cli.common import parse_device, require_backend
 from kvcore.errors import BackendUnavailable, MissingDependency
+from kvcore.layout import Op
 from kvcore.registry import Registry, default_registry
 
 
@@ -63,6 +64,14 @@ def local_config(folder: Path) -> Path | None:
     return None
 
 
+def _ran(result: Any) -> int:
+    """How many transfer cases ran against the backend (whatever their outcome; the host
+    memory row runs for every backend)."""
+    ops = tuple(f"{op.value} " for op in Op)
+    return sum(c[o] for row, c in result.counts.items() if row.startswith(ops)
+               for o in ("passed", "failed", "xfail", "xpass"))
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         from kvcore.testing.runner import matrix, run_suite
@@ -104,5 +113,9 @@ def run(args: argparse.Namespace) -> int:
             failed = True
         elif args.keyword and not sum(result.totals().values()):
             print(f"{name}: no case matches -k {args.keyword!r}")
+            failed = True
+        elif not args.keyword and not _ran(result):
+            print(f"{name}: ran no case: its capabilities claim nothing the suite covers "
+                  "(kvio backends lists what it claims)")
             failed = True
     return 1 if failed else 0

@@ -148,3 +148,22 @@ def test_kvio_check_fails_when_its_selection_matches_nothing(
 
     assert main(["check", "reference", "--device", "cpu", "-k", "typo_xyz"]) == 1
     assert "reference: no case matches -k 'typo_xyz'" in capsys.readouterr().out
+
+
+def test_kvio_check_fails_a_backend_that_claims_nothing(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    import attrs
+
+    from kvcore import BackendSpec
+    from kvcore.cli import main
+
+    registry = default_registry()
+    with registry.isolated():
+        ref = registry.get("reference").spec
+        registry.register(BackendSpec(
+            capabilities=attrs.evolve(ref.capabilities, name="claims_nothing", ops=(),
+                                      priority=-100),
+            factory=ref.factory))
+        assert main(["check", "claims_nothing", "--device", "cpu"]) == 1
+    out = capsys.readouterr().out
+    assert "claims_nothing: ran no case: its capabilities claim nothing the suite covers" in out
