@@ -77,7 +77,8 @@ def load(path: str) -> tuple[BenchResult, str]:
                              not_run_cases=named,
                              not_run_unnamed=max(0, facts.get("not_run", 0) - len(named)),
                              controller_rows=[QueueRow.from_facts(r)
-                                              for r in facts.get("controller_rows", [])])
+                                              for r in facts.get("controller_rows", [])],
+                             controller_not_run=facts.get("controller_not_run", 0))
         return result, facts["command"]
     except (KeyError, TypeError, ValueError) as exc:
         what = f"missing or malformed {exc}" if isinstance(exc, KeyError) else f"malformed: {exc}"
@@ -132,7 +133,8 @@ def merge(results: Sequence[BenchResult]) -> BenchResult:
                        elapsed_s=sum(r.elapsed_s for r in results),
                        not_run_cases=list(not_run.values()),
                        not_run_unnamed=sum(r.not_run_unnamed for r in results),
-                       controller_rows=[q for r in results for q in r.controller_rows])
+                       controller_rows=[q for r in results for q in r.controller_rows],
+                       controller_not_run=sum(r.controller_not_run for r in results))
 
 
 def _case(facts: dict[str, Any]) -> Case:

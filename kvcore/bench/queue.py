@@ -300,17 +300,23 @@ def markdown_rows(rows: list[QueueRow]) -> list[str]:
 
 def run_all(registry: Registry, device: torch.device, backends: list[str],
             cases: list[QueueCase], warmup: int, repeats: int, seed: int,
-            advance: Callable[[str], None] | None = None) -> list[QueueRow]:
-    """Every case on every backend, with one ceiling cache for the run."""
+            advance: Callable[[str], None] | None = None,
+            rows: list[QueueRow] | None = None,
+            out_of_time: Callable[[], bool] | None = None) -> list[QueueRow]:
+    """Every case on every backend, with one ceiling cache for the run, into ``rows`` (so
+    the queues measured before an interrupt stay there); stops before a queue once
+    ``out_of_time()`` says so."""
     from kvcore.bench.timing import Clock
     from kvcore.registry import REFERENCE
 
+    rows = [] if rows is None else rows
     clock = Clock(device, warmup, repeats)
     ceiling = Ceiling(clock, registry.instance(REFERENCE, device).allocate_host)  # type: ignore[attr-defined]
     gen = torch.Generator().manual_seed(seed)
-    rows = []
     for case in cases:
         for backend in backends:
+            if out_of_time is not None and out_of_time():
+                return rows
             rows.append(run_queue(case, backend, registry, device, ceiling, repeats, gen))
             if advance is not None:
                 advance(f"controller {backend} {case.op} {case.kind.value} "

@@ -128,6 +128,8 @@ def header_lines(result: BenchResult) -> list[str]:
         *host_lines(result),
         *([f"INCOMPLETE: stopped early, {result.not_run} case(s) not run"]
           if result.not_run else []),
+        *([f"INCOMPLETE: stopped early, {result.controller_not_run} controller queue(s) not "
+           "run"] if result.controller_not_run else []),
     ]
 
 

@@ -68,6 +68,8 @@ class BenchResult:
     not_run_unnamed: int = 0
     #: rows through the controller (:mod:`kvcore.bench.queue`): what an engine calls
     controller_rows: list[Any] = attrs.field(factory=list)
+    #: controller queues the run never reached (interrupted, or out of its time limit)
+    controller_not_run: int = 0
 
     @property
     def not_run(self) -> int:
@@ -78,6 +80,7 @@ class BenchResult:
         return {"schema": SCHEMA_ID, "started": self.started, "elapsed_s": self.elapsed_s,
                 "not_run": self.not_run,
                 "not_run_cases": [c.facts() for c in self.not_run_cases],
+                "controller_not_run": self.controller_not_run,
                 "machine": self.machine, "settings": self.settings,
                 "backends": self.backends, "rows": [r.facts() for r in self.rows],
                 "controller_rows": [r.facts() for r in self.controller_rows]}

@@ -129,15 +129,30 @@ def run(args: argparse.Namespace) -> int:
     mode = "off" if quiet else "bar" if sys.stdout.isatty() else "lines"
     queues = _queue_cases(args, device) if args.through != "kernel" else []
     total += len(queues) * len(bench.backend_names())
+    start = time.perf_counter()
     with progress(total, mode) as advance, _sigterm_interrupts():
         result = bench.run(advance)
+        planned = len(queues) * len(names)
         if queues and not result.not_run:
-            result.controller_rows = queue.run_all(
-                bench.registry, device, bench.backend_names(), queues, args.warmup,
-                max(3, args.repeat // 2), args.seed, advance)
+            rows: list[queue.QueueRow] = []
+            limit = args.time_limit
+
+            def out_of_time() -> bool:
+                return limit is not None and time.perf_counter() - start > limit
+
+            try:  # interrupted or out of time, the queues measured so far are reported
+                queue.run_all(bench.registry, device, names, queues, args.warmup,
+                              max(3, args.repeat // 2), args.seed, advance, rows, out_of_time)
+            except KeyboardInterrupt:
+                pass
+            result.controller_rows = rows
+        result.controller_not_run = planned - len(result.controller_rows)
     if result.not_run:
         print(f"kvio bench: stopped early, {result.not_run} of {len(cases)} cases not run",
               file=sys.stderr)
+    if result.controller_not_run:
+        print(f"kvio bench: stopped early, {result.controller_not_run} of {planned} controller "
+              "queues not run", file=sys.stderr)
     _report(args, result, command_line(args))
     return _exit_code(result)
 
@@ -241,8 +256,9 @@ def _merge(args: argparse.Namespace) -> int:
 
 
 def _exit_code(result: BenchResult) -> int:
-    """1 when a row failed its check or cases were not run, else 0."""
-    return 1 if result.not_run or any(r.status == "failed" for r in result.rows) else 0
+    """1 when a row failed its check or cases (or controller queues) were not run, else 0."""
+    return 1 if (result.not_run or result.controller_not_run
+                 or any(r.status == "failed" for r in result.rows)) else 0
 
 
 def _report(args: argparse.Namespace, result: BenchResult, cmd: str) -> None:

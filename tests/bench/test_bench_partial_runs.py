@@ -98,6 +98,46 @@ def test_sigterm_during_the_run_becomes_an_incomplete_report(
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # restored afterwards
 
 
+CONTROLLER = ["--through", "controller", "--queue-pages", "1,4", "--kind", "mha",
+              "--num-layers", "2", "--warmup", "1", "--repeat", "2", "--backend", REFERENCE]
+
+
+def test_sigterm_during_the_controller_queues_keeps_every_row_measured(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture) -> None:
+    """README: a run stopped early still writes every report. The queues run after the
+    kernel rows; a signal there lost both."""
+    from kvcore.bench import queue
+
+    out, md = tmp_path / "b.json", tmp_path / "b.md"
+    real = queue.run_queue
+    calls = []
+
+    def run_then_terminate(*args: object, **kwargs: object) -> object:
+        calls.append(1)
+        if len(calls) == 2:
+            signal.raise_signal(signal.SIGTERM)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(queue, "run_queue", run_then_terminate)
+    assert main(["bench", *CONTROLLER, "--quiet", "--json", str(out),
+                 "--markdown", str(md)]) == 1
+    assert "stopped early, 3 of 4 controller queues not run" in capsys.readouterr().err
+    doc = json.loads(out.read_text())
+    validate(doc)
+    assert len(doc["controller_rows"]) == 1 and doc["controller_not_run"] == 3
+    assert "INCOMPLETE: stopped early, 3 controller queue(s) not run" in md.read_text()
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+def test_a_time_limit_covers_the_controller_queues(tmp_path: Path) -> None:
+    out = tmp_path / "b.json"
+    assert main(["bench", *CONTROLLER, "--quiet", "--time-limit", "0",
+                 "--json", str(out)]) == 1
+    doc = json.loads(out.read_text())
+    assert doc["controller_rows"] == [] and doc["controller_not_run"] == 4
+
+
 def test_progress_lines_on_stderr_when_not_a_terminal(capsys: pytest.CaptureFixture) -> None:
     assert main(["bench", *SMALL, "--op", "write_back", "--kind", "mla",
                  "--num-layers", "2"]) == 0
