@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import shlex
-import signal
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -16,7 +15,13 @@ import torch
 from kvcore.bench import queue, report
 from kvcore.bench.runner import Bench, BenchResult
 from kvcore.bench.sweep import PRESETS, Case, expand, override
-from kvcore.cli.common import check_fits, check_output_path, parse_device, require_backend
+from kvcore.cli.common import (
+    check_fits,
+    check_output_path,
+    parse_device,
+    require_backend,
+    sigterm_interrupts,
+)
 from kvcore.errors import InvalidArgument
 from kvcore.layout import Kind, Layout, layouts_for, parse_enum
 from kvcore.plan import dtype_name
@@ -130,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
     queues = _queue_cases(args, device) if args.through != "kernel" else []
     total += len(queues) * len(bench.backend_names())
     start = time.perf_counter()
-    with progress(total, mode) as advance, _sigterm_interrupts():
+    with progress(total, mode) as advance, sigterm_interrupts():
         result = bench.run(advance)
         planned = len(queues) * len(names)
         if queues and not result.not_run:
@@ -280,23 +285,6 @@ def _report(args: argparse.Namespace, result: BenchResult, cmd: str) -> None:
         plot(result, args.plot)
 
 
-@contextlib.contextmanager
-def _sigterm_interrupts() -> Iterator[None]:
-    """Turn SIGTERM (``timeout``, a job scheduler) into KeyboardInterrupt while measuring, so
-    the rows measured so far are still reported."""
-
-    def interrupt(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt
-
-    try:
-        previous = signal.signal(signal.SIGTERM, interrupt)
-    except ValueError:  # not the main thread: leave signals alone
-        yield
-        return
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def _write(path: str, text: str) -> None:

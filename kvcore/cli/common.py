@@ -8,7 +8,10 @@ pool is made for it.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -138,3 +141,22 @@ def check_forced_backend(registry: Registry, environ: dict[str, str] | None = No
     name = env.get("KVCORE_BACKEND", "").strip()
     if name:
         require_backend(registry, name, "KVCORE_BACKEND")
+
+
+@contextlib.contextmanager
+def sigterm_interrupts() -> Iterator[None]:
+    """Turn SIGTERM (``timeout``, a job scheduler) into KeyboardInterrupt while measuring, so
+    what was measured so far is still reported."""
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    try:
+        previous = signal.signal(signal.SIGTERM, interrupt)
+    except ValueError:  # not the main thread: leave signals alone
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from kvcore.cli.common import check_fits, check_output_path, parse_device
+from kvcore.cli.common import check_fits, check_output_path, parse_device, sigterm_interrupts
 from kvcore.controller import WritePolicy
 from kvcore.errors import InvalidArgument
 from kvcore.layout import Kind, Layout
@@ -37,7 +37,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                    choices=[w.value for w in WritePolicy])
     bounds = p.add_argument_group("bounds (the first reached stops the run; checked between "
                                   "waves of --concurrency requests, so a run may pass one by "
-                                  "up to a wave)")
+                                  "up to a wave; Ctrl-C or SIGTERM stops it too, and the "
+                                  "report says so)")
     bounds.add_argument("--min-transfers", type=int, default=10_000,
                         help="stop once this many pages were written plus loaded "
                              "(default 10000; 0 for no bound)")
@@ -84,6 +85,12 @@ def config_from_args(args: argparse.Namespace) -> ReplayConfig:
     if args.page_size < 1:
         raise InvalidArgument("page_size", "a positive number of tokens per page (--page-size)",
                               str(args.page_size))
+    if args.min_transfers < 0:
+        raise InvalidArgument("--min-transfers", "0 (no bound) or a positive count",
+                              str(args.min_transfers))
+    if args.time_limit is not None and not args.time_limit > 0:  # (NaN too)
+        raise InvalidArgument("--time-limit", "a positive number of seconds",
+                              str(args.time_limit))
     for option in POSITIVE:
         value = getattr(args, option.removeprefix("--").replace("-", "_"))
         if value is not None and value < 1:
@@ -142,7 +149,8 @@ def run(args: argparse.Namespace) -> int:
     check_output_path("--log", args.log)
     cfg = config_from_args(args)
     _check_memory(cfg)
-    with _progress_bar(cfg, not args.no_progress and sys.stderr.isatty()) as progress:
+    with (_progress_bar(cfg, not args.no_progress and sys.stderr.isatty()) as progress,
+          sigterm_interrupts()):
         stats = run_replay(cfg, progress=progress)
     facts = stats.as_dict()
     if args.log is not None:

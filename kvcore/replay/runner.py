@@ -107,7 +107,8 @@ class Replay:
 
     def run(self, progress: Callable[[ReplayStats], None] | None = None,
             progress_every_s: float = 0.5) -> ReplayStats:
-        """Replay waves until a bound is reached or an error stops it; return the stats."""
+        """Replay waves until a bound is reached, an error stops it or it is interrupted
+        (KeyboardInterrupt: ``stopped_by`` "interrupted"); return the stats so far."""
         c, s = self.config, self.stats
         start = last = time.perf_counter()
         try:
@@ -129,6 +130,8 @@ class Replay:
                     s.checksum_mismatches = self.codec.mismatches()
                     progress(s)
             self._collect(block=True)
+        except KeyboardInterrupt:  # Ctrl-C, or SIGTERM under `kvio replay`: report so far
+            s.stopped_by = "interrupted"
         except KVCoreError as exc:
             s.transfer_errors += 1
             s.error_messages.append(f"{type(exc).__name__}: {exc}")

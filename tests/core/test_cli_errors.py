@@ -329,6 +329,43 @@ def test_replay_sizes_must_be_positive(option: str, capsys: pytest.CaptureFixtur
             f"InvalidArgument: {option}: expected a positive integer, got 0")
 
 
+@pytest.mark.parametrize(("option", "value"), [("--time-limit", "0"), ("--time-limit", "-1"),
+                                               ("--time-limit", "nan"),
+                                               ("--min-transfers", "-5")])
+def test_replay_bounds_that_mean_nothing_are_refused(option: str, value: str,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    refused(capsys, ["replay", *REPLAY_SMALL, option, value], "InvalidArgument",
+            f"InvalidArgument: {option}: expected ")
+
+
+def test_replay_interrupted_reports_what_it_replayed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """--min-transfers 0 and no other bound runs until stopped: Ctrl-C (or SIGTERM) ends it
+    with the report and the --log file, not a traceback."""
+    import signal
+
+    from kvcore.replay.runner import Replay
+
+    real = Replay._wave
+    waves = []
+
+    def wave_then_terminate(self: Replay, requests: object) -> None:
+        waves.append(1)
+        if len(waves) == 3:
+            signal.raise_signal(signal.SIGTERM)
+        real(self, requests)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Replay, "_wave", wave_then_terminate)
+    log = tmp_path / "replay.json"
+    argv = [a for a in REPLAY_SMALL if a not in ("--min-transfers", "20")]
+    assert main(["replay", *argv, "--min-transfers", "0", "--log", str(log)]) == 0
+    assert "(stopped by interrupted)" in capsys.readouterr().out
+    facts = json.loads(log.read_text())
+    assert facts["stopped_by"] == "interrupted" and facts["requests"] > 0
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
 @pytest.mark.parametrize("page_size", ["0", "1"])
 def test_replay_page_size_error_names_page_size(page_size: str,
                                                 capsys: pytest.CaptureFixture[str]) -> None:
