@@ -25,6 +25,12 @@ def _pyplot() -> Any:
     return plt
 
 
+def require_matplotlib() -> None:
+    """Raise PlotUnavailable now where --plot could not be drawn (before a sweep, not after
+    it)."""
+    _pyplot()
+
+
 def plot(result: BenchResult, path: str) -> None:
     """Write a PNG: one column per op, rows GiB/s and ratio, one line per backend/kind/layout.
 

@@ -116,6 +116,10 @@ def command_line(args: argparse.Namespace) -> str:
 def run(args: argparse.Namespace) -> int:
     for option in ("json", "markdown", "plot"):  # before the sweep, not after it
         check_output_path(f"--{option}", getattr(args, option))
+    if args.plot:
+        from kvcore.bench.plot import require_matplotlib
+
+        require_matplotlib()
     if args.merge:
         return _merge(args)
     cases = _cases(args) if args.through != "controller" else []

@@ -151,6 +151,20 @@ def test_bench_refuses_a_sweep_with_asked_for_parts_that_cannot_exist(
     refused(capsys, ["bench", *small, *axes], "InvalidArgument", option, needle)
 
 
+def test_bench_plot_without_matplotlib_fails_before_the_sweep(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvcore.bench.runner import Bench
+
+    def no_sweep(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the sweep started")
+
+    monkeypatch.setattr(Bench, "run", no_sweep)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # an import of it raises ImportError
+    refused(capsys, ["bench", *SMALL, "--plot", str(tmp_path / "b.png")], "PlotUnavailable",
+            "pip install 'kvcore[plot]'")
+
+
 def test_merge_report_into_a_missing_folder(tmp_path: Path, bench_json: dict,
                                             capsys: pytest.CaptureFixture[str]) -> None:
     good = _write(tmp_path / "good.json", bench_json)
