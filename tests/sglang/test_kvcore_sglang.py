@@ -29,6 +29,7 @@ from kvcore_sglang import hooks, plugin
 
 import kvcore
 from kvcore import Available, BackendSpec, Capabilities, HostMemory, Kind, Op
+from kvcore.errors import InvalidArgument
 from kvcore.registry import default_registry
 
 SGLANG_VERSION = importlib.metadata.version("sglang")
@@ -111,6 +112,17 @@ def test_kvcore_sglang_off_registers_nothing(monkeypatch: pytest.MonkeyPatch, va
     monkeypatch.setenv("KVCORE_SGLANG", value)
     before = {t: list(h) for t, h in HookRegistry._hooks.items()}
     plugin.register()
+    assert {t: list(h) for t, h in HookRegistry._hooks.items()} == before
+
+
+@pytest.mark.parametrize("value", ["disabled", "none", "maybe"])
+def test_a_kvcore_sglang_value_that_is_neither_on_nor_off_is_refused(
+        monkeypatch: pytest.MonkeyPatch, value: str) -> None:
+    monkeypatch.setenv("KVCORE_SGLANG", value)
+    before = {t: list(h) for t, h in HookRegistry._hooks.items()}
+    with pytest.raises(InvalidArgument, match=rf"^KVCORE_SGLANG: expected off, 0, "
+                                                     rf"false or no .*, got '{value}'$"):
+        plugin.register()
     assert {t: list(h) for t, h in HookRegistry._hooks.items()} == before
 
 

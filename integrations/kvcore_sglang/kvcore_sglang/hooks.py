@@ -25,7 +25,7 @@ import attrs
 import torch
 
 from kvcore import DevicePool, HostMemory, HostPool, Kind, Layout, Op
-from kvcore.errors import KVCoreError
+from kvcore.errors import InvalidArgument, KVCoreError
 from kvcore.layout import layouts_for
 from kvcore.plan import BoundPlan, TransferPlan
 from kvcore.registry import default_registry, make_request
@@ -37,14 +37,23 @@ logger = logging.getLogger("kvcore_sglang")
 #: (``pool_host/common.py``: ``_CUDA_HOST_REGISTERED_RANGES_ATTR``); non-empty means registered.
 SGLANG_REGISTERED_RANGES_ATTR = "_sglang_cuda_host_registered_ranges"
 
-#: ``KVCORE_SGLANG`` values that turn the plugin off.
+#: ``KVCORE_SGLANG`` values that turn the plugin off, and those that leave it on (as unset)
 OFF_VALUES = frozenset({"off", "0", "false", "no"})
+ON_VALUES = frozenset({"", "on", "1", "true", "yes"})
 
 
 def enabled(environ: Any = None) -> bool:
-    """False when ``KVCORE_SGLANG`` is off/0/false/no (read when the plugin registers)."""
+    """False when ``KVCORE_SGLANG`` is off/0/false/no, True when unset or on/1/true/yes (read
+    when the plugin registers); any other value is refused with InvalidArgument naming the
+    variable (a misspelt "off" left the plugin on without a word)."""
     env = os.environ if environ is None else environ
-    return env.get("KVCORE_SGLANG", "").strip().lower() not in OFF_VALUES
+    value = env.get("KVCORE_SGLANG", "").strip().lower()
+    if value in OFF_VALUES:
+        return False
+    if value in ON_VALUES:
+        return True
+    raise InvalidArgument("KVCORE_SGLANG", "off, 0, false or no (or on, 1, true, yes; unset "
+                                           "is on)", repr(env.get("KVCORE_SGLANG")))
 
 
 @attrs.frozen
