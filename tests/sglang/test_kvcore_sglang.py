@@ -323,6 +323,19 @@ def test_io_backend_direct_declines(original_calls, caplog) -> None:
     _assert_declined(caplog, original_calls, "io_backend 'direct'")
 
 
+def test_a_kvcore_backend_that_cannot_serve_the_pool_is_a_warning(
+        original_calls, caplog, monkeypatch) -> None:
+    """The user forced a backend: SGLang's own kernel running instead is not news to log at
+    INFO, as kvio refuses the same setting outright."""
+    monkeypatch.setenv("KVCORE_BACKEND", "bogus")
+    dev, host = mha_pools("page_first", torch.bfloat16, 4)
+    with caplog.at_level(logging.INFO, logger="kvcore_sglang"):
+        _call_both(host, dev)
+    _assert_declined(caplog, original_calls, "KVCORE_BACKEND=bogus cannot serve it")
+    assert all(r.levelno == logging.WARNING for r in caplog.records
+               if "KVCORE_BACKEND=bogus" in r.getMessage())
+
+
 def test_draft_load_declines(original_calls, caplog, monkeypatch) -> None:
     dev, host = mha_pools("page_first", torch.bfloat16, 4)
     seen = count_transfers(monkeypatch)

@@ -61,6 +61,9 @@ class Decline:
     """kvcore does not model this pool or call; SGLang's original method runs."""
 
     reason: str
+    #: how loudly it is logged: WARNING where the user asked for something that did not
+    #: happen (a KVCORE_BACKEND that cannot serve the pool), else INFO
+    level: int = logging.INFO
 
 
 @attrs.frozen
@@ -155,6 +158,9 @@ def _decide(host: Any, kind: Kind) -> Routed | Decline:
     try:
         plans = _resolve(device_pool, host_pool)
     except KVCoreError as exc:
+        forced = os.environ.get("KVCORE_BACKEND")
+        if forced:
+            return Decline(f"KVCORE_BACKEND={forced} cannot serve it: {exc}", logging.WARNING)
         return Decline(f"no kvcore backend serves it: {exc}")
     bound = {}
     for op, plan in plans.items():
@@ -294,8 +300,8 @@ def backup_from_device_all_layer(original: Callable[..., Any], kind: Kind, host:
     """SGLang's ``backup_from_device_all_layer`` (device -> host, every layer)."""
     route = _call_route(host, kind, io_backend)
     if isinstance(route, Decline):
-        _log_once(logging.INFO, f"kvcore-sglang: backup_from_device_all_layer runs SGLang's own "
-                                f"kernel: {route.reason}")
+        _log_once(route.level, f"kvcore-sglang: backup_from_device_all_layer runs SGLang's own "
+                               f"kernel: {route.reason}")
         return original(host, device_pool, host_indices, device_indices, io_backend)
     _transfer(route, Op.WRITE_BACK, host_indices, device_indices)
     return None
@@ -308,14 +314,15 @@ def load_to_device_per_layer(original: Callable[..., Any], kind: Kind, host: Any
     """SGLang's ``load_to_device_per_layer`` (host -> device, one layer)."""
     route = _call_route(host, kind, io_backend)
     if isinstance(route, Decline) or is_draft or not _owns_layer(route, layer_id):
+        level = logging.INFO
         if isinstance(route, Decline):
-            reason = route.reason
+            reason, level = route.reason, route.level
         elif is_draft:
             reason = "draft layer load (is_draft=True)"
         else:
             reason = f"layer {layer_id} is not one of the pool's layers (SGLang skips it)"
-        _log_once(logging.INFO, f"kvcore-sglang: load_to_device_per_layer runs SGLang's own "
-                                f"kernel: {reason}")
+        _log_once(level, f"kvcore-sglang: load_to_device_per_layer runs SGLang's own "
+                         f"kernel: {reason}")
         return original(host, device_pool, host_indices, device_indices, layer_id, io_backend,
                         is_draft=is_draft)
     _transfer(route, Op.LOAD_LAYER, host_indices, device_indices, layer=layer_id)
