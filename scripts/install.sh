@@ -34,6 +34,21 @@ pip_install() {
 if [ "${KVCORE_PYTHON_ENV:-venv}" = system ]; then
     step 1/1 "kvcore and its plugins into $(python3 -c 'import sys; print(sys.prefix)') (no dependencies)"
     python3 -m pip install --no-deps --no-build-isolation "${PKGS[@]}"
+    # without dependencies: say now which of kvcore's own this python lacks (kvio would stop
+    # at the first with an import error); importlib-metadata has the stdlib's as fallback
+    missing=$(python3 - <<'PY'
+import importlib.util
+print(" ".join(pkg for pkg, mod in (("torch", "torch"), ("pluggy", "pluggy"),
+                                    ("attrs", "attrs"), ("numpy", "numpy"))
+               if importlib.util.find_spec(mod) is None))
+PY
+)
+    if [ -n "$missing" ]; then
+        echo "==> this python lacks kvcore's dependencies: $missing" >&2
+        echo "    install them (python3 -m pip install $missing), or run without" \
+             "KVCORE_PYTHON_ENV=system for a .venv with everything" >&2
+        exit 1
+    fi
     echo "==> done in $((SECONDS - START)) s; kvio is $(command -v kvio || echo 'python3 -m kvcore.cli')"
     exit 0
 fi
