@@ -51,6 +51,7 @@ from kvcore.capabilities import (
     safe_probe,
 )
 from kvcore.errors import (
+    NO_PLUGIN_HINT,
     ApiVersionMismatch,
     BackendUnavailable,
     BuildError,
@@ -344,7 +345,7 @@ class Registry:
         refusals = [r.reason for r in self._refused.values() if r.name == name]
         if refusals and name not in self._backends:
             raise PluginLoadError(f"plugin {name!r} was not imported: " + "; ".join(refusals))
-        known = ", ".join(sorted(self._backends)) or "none"
+        known = ", ".join(sorted(self._backends)) or f"none; {NO_PLUGIN_HINT}"
         raise NoBackend(f"backend {name!r}", {name: f"not registered (registered: {known})"})
 
     def instance(self, name: str, device: torch.device) -> object:
