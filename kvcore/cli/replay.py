@@ -77,6 +77,24 @@ POSITIVE = ("--layers", "--heads", "--head-dim", "--device-pages",
             "--max-turns", "--max-requests")
 
 
+#: the replay's parameter names and the options that set them
+OPTION_OF = {"live_sessions": "--sessions", "concurrency": "--concurrency",
+             "system_prompts": "--prompts", "prompt_pages": "--prompt-pages",
+             "max_turns": "--max-turns", "device_pages": "--device-pages",
+             "host_pages": "--host-pages", "page_size": "--page-size"}
+
+
+def _as_options(exc: InvalidArgument) -> InvalidArgument:
+    """``exc`` naming the command line's options instead of the parameters they set (the
+    page size keeps its name: its errors say --page-size themselves)."""
+    if exc.argument == "page_size" or exc.argument not in OPTION_OF:
+        return exc
+    expected = exc.expected
+    for name, option in OPTION_OF.items():
+        expected = expected.replace(name, option)
+    return InvalidArgument(OPTION_OF[exc.argument], expected, exc.got, exc.context)
+
+
 def config_from_args(args: argparse.Namespace) -> ReplayConfig:
     """The :class:`ReplayConfig` the command line describes."""
     dtype = getattr(torch, args.dtype, None)
@@ -147,7 +165,11 @@ def _check_memory(cfg: ReplayConfig) -> None:
 
 def run(args: argparse.Namespace) -> int:
     check_output_path("--log", args.log)
-    cfg = config_from_args(args)
+    try:
+        cfg = config_from_args(args)
+        cfg.sizes()
+    except InvalidArgument as exc:
+        raise _as_options(exc) from None
     _check_memory(cfg)
     with (_progress_bar(cfg, not args.no_progress and sys.stderr.isatty()) as progress,
           sigterm_interrupts()):

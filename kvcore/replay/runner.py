@@ -70,7 +70,9 @@ class ReplayConfig:
             raise InvalidArgument("device_pages", f"at least {self.wave_pages} (concurrency x "
                                   "the longest request, all pinned during one wave)", str(dev))
         if host < self.workload.concurrency * self.workload.max_request_pages:
-            raise InvalidArgument("host_pages", f"at least {self.wave_pages}", str(host))
+            raise InvalidArgument("host_pages", f"at least {self.wave_pages} (concurrency x "
+                                  "the longest request: one wave's pages are written back)",
+                                  str(host))
         return dev, host
 
 

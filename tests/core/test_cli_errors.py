@@ -352,6 +352,15 @@ def test_replay_bounds_that_mean_nothing_are_refused(option: str, value: str,
             f"InvalidArgument: {option}: expected ")
 
 
+@pytest.mark.parametrize(("argv", "line"), [
+    (["--sessions", "10"], "--concurrency: expected at most --sessions (10), got 32"),
+    (["--host-pages", "10"], "--host-pages: expected at least "),
+])
+def test_replay_errors_name_the_options(argv: list[str], line: str,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    refused(capsys, ["replay", *REPLAY_SMALL, *argv], "InvalidArgument", line)
+
+
 def test_replay_interrupted_reports_what_it_replayed(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         capsys: pytest.CaptureFixture[str]) -> None:
