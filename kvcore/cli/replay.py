@@ -48,7 +48,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     geo.add_argument("--kind", default="mha", choices=[k.value for k in Kind])
     geo.add_argument("--layout", default="page_first", choices=[lay.value for lay in Layout])
     geo.add_argument("--layers", type=int, default=4)
-    geo.add_argument("--heads", type=int, default=4)
+    geo.add_argument("--heads", type=int, default=None,
+                     help="heads per token (MHA; default 4); MLA has one latent vector")
     geo.add_argument("--head-dim", type=int, default=64)
     geo.add_argument("--page-size", type=int, default=16)
     geo.add_argument("--dtype", default="bfloat16")
@@ -109,6 +110,9 @@ def config_from_args(args: argparse.Namespace) -> ReplayConfig:
     if args.time_limit is not None and not args.time_limit > 0:  # (NaN too)
         raise InvalidArgument("--time-limit", "a positive number of seconds",
                               str(args.time_limit))
+    if args.kind == "mla" and args.heads not in (None, 1):
+        raise InvalidArgument("--heads", "1 or unset for --kind mla (one latent vector per "
+                              "token; --head-dim sets its size)", str(args.heads))
     for option in POSITIVE:
         value = getattr(args, option.removeprefix("--").replace("-", "_"))
         if value is not None and value < 1:
@@ -118,7 +122,7 @@ def config_from_args(args: argparse.Namespace) -> ReplayConfig:
                               max_turns=args.max_turns, seed=args.seed)
     return ReplayConfig(
         workload=workload, kind=Kind(args.kind), layout=Layout(args.layout),
-        num_layers=args.layers, head_num=1 if args.kind == "mla" else args.heads,
+        num_layers=args.layers, head_num=1 if args.kind == "mla" else args.heads or 4,
         head_dim=args.head_dim, page_size=args.page_size, dtype=dtype,
         device=str(parse_device(args.device)),
         device_pages=args.device_pages, host_pages=args.host_pages,

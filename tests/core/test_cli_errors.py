@@ -355,6 +355,7 @@ def test_replay_bounds_that_mean_nothing_are_refused(option: str, value: str,
 @pytest.mark.parametrize(("argv", "line"), [
     (["--sessions", "10"], "--concurrency: expected at most --sessions (10), got 32"),
     (["--host-pages", "10"], "--host-pages: expected at least "),
+    (["--kind", "mla", "--heads", "8"], "--heads: expected 1 or unset for --kind mla"),
 ])
 def test_replay_errors_name_the_options(argv: list[str], line: str,
                                         capsys: pytest.CaptureFixture[str]) -> None:
