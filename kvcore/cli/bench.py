@@ -8,6 +8,7 @@ import shlex
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -84,8 +85,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                         "1,4 on the CPU)")
     p.add_argument("--merge", nargs="+", metavar="FILE.json", default=None,
                    help="measure nothing: join the rows of earlier --json files (runs of one "
-                        "sweep on one machine, in any --json form: .json, .jsonl, .gz) and "
-                        "write the reports from them")
+                        "sweep on one machine, in any --json form: .json, .jsonl, .gz; a case "
+                        "several runs measured keeps the later file's row) and write the "
+                        "reports from them; options that choose what to measure are refused")
     return p
 
 
@@ -95,16 +97,20 @@ def _split(values: list[str] | None) -> list[str] | None:
     return [v.strip() for item in values for v in item.split(",") if v.strip()]
 
 
+#: the options that say what to measure, with their defaults (a merge measures nothing)
+MEASURE_DEFAULTS = (("device", None), ("warmup", 2), ("repeat", 7), ("reference_repeat", None),
+                    ("retime", 2), ("seed", 0), ("time_limit", None), ("through", "both"),
+                    ("queue_pages", None))
+OUTPUT_DEFAULTS = (("json", None), ("markdown", None), ("plot", None))
+
+
 def command_line(args: argparse.Namespace) -> str:
     """The command that repeats this run: every option that differs from its default."""
     words = ["kvio", "bench", "--preset", args.preset]
     for opt in ("backend", *AXES):
         for value in _split(getattr(args, opt)) or []:
             words += [f"--{opt.replace('_', '-')}", value]
-    for opt, default in (("device", None), ("warmup", 2), ("repeat", 7),
-                         ("reference_repeat", None), ("retime", 2), ("seed", 0),
-                         ("time_limit", None), ("json", None), ("markdown", None), ("plot", None),
-                         ("through", "both"), ("queue_pages", None)):
+    for opt, default in (*MEASURE_DEFAULTS, *OUTPUT_DEFAULTS):
         value = getattr(args, opt)
         if value != default:
             words += [f"--{opt.replace('_', '-')}", str(value)]
@@ -256,11 +262,34 @@ def _name_not_run(result: BenchResult, command: str) -> None:
 def _merge(args: argparse.Namespace) -> int:
     from kvcore.bench import merge
 
+    measuring = [f"--{opt.replace('_', '-')}" for opt in ("backend", *AXES)
+                 if getattr(args, opt)]
+    measuring += [f"--{opt.replace('_', '-')}" for opt, default in MEASURE_DEFAULTS
+                  if getattr(args, opt) != default]
+    if args.preset != "default":
+        measuring.append("--preset")
+    if measuring:  # it would be ignored: the merged runs say what they measured
+        raise InvalidArgument("--merge", "no option that chooses what to measure (a merge "
+                              "reports the runs as they ran; filter them with --json and jq)",
+                              " ".join(measuring))
+    seen: dict[Path, str] = {}
+    for path in args.merge:
+        key = Path(path).resolve()
+        if key in seen:
+            raise InvalidArgument("--merge", "each file once", f"{path} (as {seen[key]})")
+        seen[key] = path
     loaded = [merge.load(path) for path in args.merge]
-    for result, command in loaded:
+    runs: dict[tuple[str, str], str] = {}
+    for path, (result, command) in zip(args.merge, loaded, strict=True):
+        key2 = (result.started, command)
+        if key2 in runs:
+            raise InvalidArgument("--merge", "each run once", f"{path}: the run of {runs[key2]} "
+                                  f"(started {result.started}) again")
+        runs[key2] = path
         _name_not_run(result, command)
     result = merge.merge([r for r, _ in loaded])
-    _report(args, result, "\n".join(cmd for _, cmd in loaded))
+    header = "kvio bench --merge " + " ".join(shlex.quote(p) for p in args.merge)
+    _report(args, result, "\n".join([header, *(cmd for _, cmd in loaded)]))
     return _exit_code(result)
 
 

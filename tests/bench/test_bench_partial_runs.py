@@ -169,7 +169,22 @@ def test_merge_joins_runs_into_one_report(tmp_path: Path,
     assert {json.dumps(r, sort_keys=True) for r in doc["rows"]} == by_file  # rows unchanged
     text = md.read_text()
     assert "--kind mla" in text and "--kind mha" in text  # both commands are quoted
+    assert f"kvio bench --merge {a} {b}" in text  # and what was merged
     assert "ratio" in capsys.readouterr().out
+
+
+def test_merge_refuses_options_it_would_ignore_and_a_run_given_twice(
+        tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    import shutil
+
+    a = _run(tmp_path, "a", "--kind", "mla", "--num-layers", "2")
+    copy = tmp_path / "copy.json"
+    shutil.copy(a, copy)
+    for argv, needle in ((["--kind", "mha"], "--kind"), (["--repeat", "3"], "--repeat"),
+                         ([str(a)], "each file once"), ([str(copy)], "each run once")):
+        assert main(["bench", "--merge", str(a), *argv]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("kvio bench: InvalidArgument: --merge: expected ") and needle in err
 
 
 def test_merge_keeps_the_later_run_of_a_repeated_case(tmp_path: Path) -> None:
