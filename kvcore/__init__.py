@@ -21,7 +21,7 @@ from kvcore.controller import CacheEvent, HiCacheController, LoadHandle, WriteAc
 from kvcore.errors import KVCoreError
 from kvcore.hookspecs import hookimpl
 from kvcore.layout import Geometry, Kind, Layout, Op
-from kvcore.plan import TransferPlan, TransferRequest
+from kvcore.plan import BoundPlan, Submission, TransferPlan, TransferRequest
 from kvcore.pools import DevicePool, HostPool, SlotAllocator
 from kvcore.registry import Registry, allocate_host_pool, default_registry, make_request
 
@@ -31,6 +31,7 @@ __all__ = [
     "API_VERSION",
     "Available",
     "BackendSpec",
+    "BoundPlan",
     "CacheEvent",
     "Capabilities",
     "Completion",
@@ -49,6 +50,7 @@ __all__ = [
     "Registry",
     "Residency",
     "SlotAllocator",
+    "Submission",
     "TransferBackend",
     "TransferJob",
     "TransferPlan",

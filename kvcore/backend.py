@@ -52,10 +52,12 @@ class TransferJob:
 
     @property
     def kind(self) -> Kind:
+        """The pools' kind (MHA or MLA)."""
         return self.host_geometry.kind
 
     @property
     def layout(self) -> Layout:
+        """The host pool's layout."""
         return self.host_geometry.layout
 
     @property

@@ -154,6 +154,7 @@ class OpSupport:
     layer_signals: bool = False
 
     def covers(self, op: Op, kind: Kind, layout: Layout) -> bool:
+        """Whether this variant serves ``op`` for ``kind`` and ``layout``."""
         return op is self.op and kind in self.kinds and layout in self.layouts
 
     def refusal(self, dtype: torch.dtype, element_bytes: int) -> str | None:
@@ -167,6 +168,8 @@ class OpSupport:
         return None
 
     def fits_page(self, page_bytes: int) -> bool:
+        """Whether ``page_bytes`` is in the variant's window
+        ``[min_page_bytes, max_page_bytes)``."""
         upper = self.max_page_bytes is None or page_bytes < self.max_page_bytes
         return self.min_page_bytes <= page_bytes and upper
 
@@ -196,9 +199,11 @@ class Capabilities:
     description: str = ""
 
     def supports_device(self, device: torch.device) -> bool:
+        """Whether the backend runs on ``device``'s type (``device_types`` None: any)."""
         return self.device_types is None or device.type in self.device_types
 
     def variants(self, op: Op, kind: Kind, layout: Layout) -> tuple[OpSupport, ...]:
+        """The variants that serve ``op`` for ``kind`` and ``layout``, in declaration order."""
         return tuple(s for s in self.ops if s.covers(op, kind, layout))
 
 
@@ -215,6 +220,7 @@ class BackendSpec:
 
     @property
     def name(self) -> str:
+        """The backend's name (its capabilities' ``name``)."""
         return self.capabilities.name
 
 

@@ -153,6 +153,7 @@ class HiCacheController:
 
     @property
     def usable(self) -> bool:
+        """False once a device fault or a lost process group made the controller unusable."""
         return self._health.lost is None
 
     @property
@@ -228,6 +229,7 @@ class HiCacheController:
 
     @property
     def pending_writes(self) -> int:
+        """Write-backs queued and not yet acknowledged."""
         return len(self._writes)
 
     def free_host(self, host_indices: torch.Tensor) -> None:

@@ -93,6 +93,7 @@ class LoadHandle:
 
     @property
     def num_layers(self) -> int:
+        """Layers of the load (``wait_layer`` takes 0 to this minus one)."""
         return self._num_layers
 
     def wait_layer(self, layer: int) -> None:

@@ -260,6 +260,7 @@ class Geometry:
 
     @property
     def num_pages(self) -> int:
+        """Pages of the host pool (``size // page_size``)."""
         return self.size // self.page_size
 
     @property
@@ -269,6 +270,7 @@ class Geometry:
 
     @property
     def heads_per_group(self) -> int:
+        """Heads in each of the ``head_group_num`` groups."""
         return self.head_num // self.head_group_num
 
     def extents(self) -> dict[str, int]:

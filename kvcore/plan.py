@@ -179,6 +179,8 @@ class Submission:
         return [c for _, c in self._done]
 
     def wait_layer(self, layer: int, stream: Any) -> None:
+        """Make ``stream`` wait for layer ``layer`` (nothing for a layer this submission did
+        not move)."""
         if self._one is not None:
             wait = self._one if 0 <= layer < self._layers else None
         else:
@@ -205,9 +207,11 @@ class Submission:
         return fast if callable(fast) else None
 
     def query(self) -> bool:
+        """Whether everything the submission enqueued has finished (never blocks)."""
         return self.event is None or bool(self.event.query())
 
     def synchronize(self) -> None:
+        """Block the host until everything the submission enqueued has finished."""
         if self.event is not None:
             self.event.synchronize()
 
@@ -268,6 +272,7 @@ class BoundPlan:
 
     @property
     def context(self) -> str:
+        """``backend/layout op`` (its plan's :attr:`TransferPlan.context`), for error messages."""
         return self._context
 
     def check(self, host_indices: object, device_indices: object, layer: int | None = None,

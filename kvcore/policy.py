@@ -14,6 +14,8 @@ class WritePolicy(str, enum.Enum):
 
 
 class CacheEvent(str, enum.Enum):
+    """What happened to a page in the radix cache (``HiCacheController.on_cache_event``)."""
+
     INSERT = "insert"
     HIT = "hit"
     EVICT = "evict"

@@ -102,10 +102,12 @@ class DevicePool:
 
     @property
     def num_layers(self) -> int:
+        """Layers of the pool (one tensor each for K, and for V under MHA)."""
         return len(self.k_buffers)
 
     @property
     def element_bytes(self) -> int:
+        """Bytes of one token of one layer of K (or V): ``head_num x head_dim x itemsize``."""
         return self.head_num * self.head_dim * self.dtype.itemsize
 
     def layers(self, kv: int) -> list[torch.Tensor]:
@@ -117,6 +119,7 @@ class DevicePool:
         return self.v_buffers
 
     def all_buffers(self) -> list[torch.Tensor]:
+        """Every layer tensor, K's then V's."""
         return self.k_buffers + (self.v_buffers or [])
 
     def clone(self) -> DevicePool:
@@ -225,11 +228,13 @@ class SlotAllocator:
             self._top = top + n
 
     def is_allocated(self, indices: torch.Tensor) -> bool:
+        """Whether every page of ``indices`` is allocated (``indices`` is value-checked)."""
         pages = self._pages_of("indices", indices)
         with self._lock:
             return bool(self._taken[pages].all())
 
     def state(self) -> AllocatorState:
+        """The free stack and the allocated pages, for tests and for checking nothing leaked."""
         with self._lock:
             return AllocatorState(tuple(self._free[:self._top].tolist()),
                                   tuple(np.flatnonzero(self._taken).tolist()))

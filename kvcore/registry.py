@@ -288,6 +288,8 @@ class Registry:
             self._backends[caps.name] = Registered(spec, source, distribution)
 
     def unregister(self, name: str) -> None:
+        """Remove backend ``name`` (tests and :meth:`isolated` scopes); an unknown name is
+        ignored."""
         with self._lock:
             self._backends.pop(name, None)
             self._availability.pop(name, None)
@@ -316,6 +318,7 @@ class Registry:
                       key=lambda r: (-r.spec.capabilities.priority, r.name))
 
     def broken(self) -> list[BrokenPlugin]:
+        """The plugins that failed to import or register, with why."""
         self.discover()
         return sorted(self._broken.values(), key=lambda b: b.name)
 
