@@ -265,6 +265,7 @@ class BoundPlan:
                                                            None)) \
             if has_streams(self.device) else None
         self._fence = Fence(self.device)
+        self._stream_seen: Any = None  # the last stream a submit was checked to run on
         # CPU index tensors this plan checked, while they hold the values checked (by role:
         # the bounds differ)
         self._checked_host = CheckedTensors(CHECKED_TENSORS)
@@ -361,12 +362,18 @@ class BoundPlan:
         caller already ran :meth:`check` on these tensors).
 
         CPU indices the variant reads on the device are copied there on ``stream``, through
-        memory this plan reuses once the transfers that read it completed.
+        memory this plan reuses once the transfers that read it completed. ``stream`` and
+        ``after`` must be streams of the plan's device; anything else is refused with
+        InvalidArgument before anything is enqueued.
         """
         if check:
             h, d = self.check(host_indices, device_indices, layer, host_trusted=host_trusted)
         else:
             h, d = host_indices, device_indices
+        if stream is not None and stream is not self._stream_seen:
+            self._stream_seen = self._check_stream("stream", stream)
+        if after is not None and after is not self._stream_seen:
+            self._check_stream("after", after)
         support = self._routes[(h.is_cpu, d.is_cpu)]
         s = stream if stream is not None else current_stream(self.device)
         device = self.device
@@ -401,6 +408,19 @@ class BoundPlan:
                 self._ring.seal(segments, event, stream_key(s))
         assert sub is not None
         return sub
+
+    def _check_stream(self, name: str, stream: Any) -> Any:
+        """``stream`` if it is a stream of this plan's device, else InvalidArgument naming
+        ``name``: a kernel enqueued on another device's stream would read this device's
+        memory from there."""
+        on = getattr(stream, "device", None)
+        if (not isinstance(on, torch.device) or on != self.device
+                or not callable(getattr(stream, "wait_event", None))):
+            came = f"{type(stream).__name__} on {on}" if isinstance(on, torch.device) \
+                else f"{type(stream).__name__} {stream!r}"[:120]
+            raise InvalidArgument(name, f"None or a stream of {self.device}", came,
+                                  self._context)
+        return stream
 
     def _ring_stage(self, t: torch.Tensor, spec: IndexSpec, segments: list[int],
                     stream: Any) -> tuple[torch.Tensor, bool]:

@@ -408,7 +408,10 @@ def test_a_plan_hands_its_callers_stream_to_a_runner_that_follows_it_and_waits_o
                                   backend="reference", registry=reg)
         bound = plan.bind(dev, host)
         h, d = torch.arange(16, 32), torch.arange(16)
-        sub = bound.submit(h, d, after="caller")
+        from kvcore.testing.stand_in_streams import NullStream
+
+        caller = NullStream(torch.device("cpu"))  # a stream of the plan's device
+        sub = bound.submit(h, d, after=caller)
         assert isinstance(sub.event, NativeJob) and sub.completions == [sub.event]
         assert sub.query() is False  # the thread has not finished it
         bound.backend.lib.status[0x100] = 0
@@ -416,4 +419,4 @@ def test_a_plan_hands_its_callers_stream_to_a_runner_that_follows_it_and_waits_o
         sub.check()
         plain = bound.submit(h, d)  # the plan API: enqueued (here: done) before it returns
         assert not isinstance(plain.event, NativeJob)
-        assert bound.backend.after == ["caller", None]
+        assert bound.backend.after == [caller, None]
