@@ -44,7 +44,7 @@ from kvcore.policy import CacheEvent, WritePolicy, should_back_up
 from kvcore.pools import DevicePool, HostPool
 from kvcore.registry import Registry, default_registry, make_request
 from kvcore.streams import Fence, current_stream, new_stream
-from kvcore.validate import CheckedTensors, check_index_tensor
+from kvcore.validate import CheckedTensors, check_index_tensor, is_int
 from kvcore.write_queue import Health, WriteQueue, drain_stream
 
 
@@ -144,7 +144,11 @@ class HiCacheController:
 
     def plan(self, op: Op | str, member: int = 0) -> TransferPlan:
         """The plan that runs ``op`` for pool-group member ``member``."""
-        return self.plans[(member, parse_enum(Op, op, "op"))]
+        parsed = parse_enum(Op, op, "op")
+        if not is_int(member) or not 0 <= member < len(self.members):
+            raise InvalidArgument("member", f"an int in [0, {len(self.members)})",
+                                  repr(member))
+        return self.plans[(int(member), parsed)]
 
     def plan_facts(self) -> list[dict[str, object]]:
         """Every member's plans as plain data (what tensor-parallel ranks must agree on)."""
@@ -167,7 +171,8 @@ class HiCacheController:
               host_indices: torch.Tensor | None = None) -> WriteAck:
         """Queue a write-back of all layers of ``device_indices``; returns its pending ack.
 
-        Host pages are allocated here unless ``host_indices`` is given. The returned record
+        Host pages are allocated here unless ``host_indices`` is given: pages the caller
+        took from :attr:`allocator` (a page that is not allocated is refused). The returned record
         is a promise: pages count as backed up only once :meth:`poll_acks` or
         :meth:`wait_acks` returns it.
 
@@ -189,6 +194,7 @@ class HiCacheController:
             if host_indices is not None:
                 h = host_indices
                 self.bound[(0, Op.WRITE_BACK)].check(h, d)
+                self._check_allocated(h)
             else:
                 h, values = self.allocator.alloc_values(d.numel())
                 try:
@@ -235,11 +241,15 @@ class HiCacheController:
     def free_host(self, host_indices: torch.Tensor) -> None:
         """Release host pages (eviction from the host tier). An ack's ``host_indices``, still
         holding the values this controller's allocator gave them, are not value-checked again;
-        any other tensor is (whole pages, in range, each once), and a page that is not
-        allocated is refused with nothing freed."""
+        any other tensor is (whole pages, in range, each once). A page that is not allocated,
+        or that a write-back not yet acknowledged writes, is refused with AllocatorError and
+        nothing freed."""
         with self._lock:
             self.allocator.free(host_indices, checked=host_indices in self._issued,
-                                name="host_indices")
+                                name="host_indices",
+                                in_use=self._writes.holding if len(self._writes) else None)
+            # freed pages may be handed out again: a load of this tensor is checked again
+            self._issued.discard(host_indices)
 
     # -- load ------------------------------------------------------------------------------
 
@@ -248,13 +258,18 @@ class HiCacheController:
         """Queue a load of host pages into ``device_indices``, layer by layer.
 
         Returns a handle whose ``wait_layer(i)`` orders the current stream after layer i.
-        ``all_layers=True`` uses the all-layer (prefetch) operation: one event for all.
+        ``all_layers=True`` uses the all-layer (prefetch) operation: one event for all. Host
+        pages that are not allocated (freed, or never handed out) are refused.
         """
         with self._lock:
             self._health.check()
+            if type(all_layers) is not bool:
+                raise InvalidArgument("all_layers", "a bool", repr(all_layers))
             op = Op.LOAD_ALL if all_layers else Op.LOAD_LAYER
-            h, d = self.bound[(0, op)].check(host_indices, device_indices,
-                                             host_trusted=host_indices in self._issued)
+            issued = host_indices in self._issued
+            h, d = self.bound[(0, op)].check(host_indices, device_indices, host_trusted=issued)
+            if not issued:
+                self._check_allocated(h)
             try:
                 subs = self._submit(op, self.load_stream, h, d)
             except BaseException as exc:
@@ -263,6 +278,17 @@ class HiCacheController:
                               self._health.record)
 
     # -- internals -------------------------------------------------------------------------
+
+    def _check_allocated(self, h: torch.Tensor) -> None:
+        """Host indices (value-checked) name allocated pages only, else InvalidIndices. On
+        the device their values are not read: that would wait for it."""
+        if h.is_cpu:
+            page = self.allocator.first_free_page(h, checked=True, name="host_indices")
+            if page is not None:
+                P = self.allocator.page_size
+                raise InvalidIndices("host_indices", "pages allocated from this controller's "
+                                     "allocator", f"page {page} (slots {page * P}.."
+                                     f"{(page + 1) * P - 1}), which is free")
 
     def _submit(self, op: Op, stream: Any, h: torch.Tensor, d: torch.Tensor,
                 ) -> list[Submission]:

@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import contextlib
-import operator
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import attrs
 import torch
 
-from kvcore.errors import InvalidArgument, TransferFailed
+from kvcore.errors import TransferFailed
 from kvcore.streams import current_stream, has_streams
+from kvcore.validate import check_layer
 
 if TYPE_CHECKING:
     from kvcore.plan import Submission
@@ -56,15 +56,6 @@ class PendingWrite:
                     part.synchronize()
 
 
-def _as_layer(layer: object, num_layers: int) -> int:
-    """``layer`` as a Python int where it is an integer of another type (NumPy's, a bool),
-    else InvalidArgument."""
-    try:
-        return operator.index(layer)  # type: ignore[arg-type]
-    except TypeError:
-        raise InvalidArgument("layer", f"an int in [0, {num_layers})", repr(layer)) from None
-
-
 class LoadHandle:
     """A queued load. ``wait_layer(i)`` makes the current stream wait for layer ``i`` only.
 
@@ -102,10 +93,8 @@ class LoadHandle:
         On a device without streams the layer has already run, so its outcome is checked
         here and a failure raises TransferFailed.
         """
-        if type(layer) is not int:
-            layer = _as_layer(layer, self._num_layers)
-        if not 0 <= layer < self._num_layers:
-            raise InvalidArgument("layer", f"an int in [0, {self._num_layers})", repr(layer))
+        if type(layer) is not int or not 0 <= layer < self._num_layers:
+            layer = check_layer(layer, self._num_layers)
         if self._failure is not None:
             raise self._failure
         if self._wait is not None:

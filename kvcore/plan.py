@@ -43,8 +43,10 @@ from kvcore.signals import WAIT_CURRENT
 from kvcore.streams import Fence, current_stream, has_streams, on_stream, recorded_event
 from kvcore.validate import (
     CheckedTensors,
+    as_layer,
     check_cpu_indices,
     check_index_tensor,
+    check_layer,
     describe_tensor,
 )
 
@@ -180,7 +182,9 @@ class Submission:
 
     def wait_layer(self, layer: int, stream: Any) -> None:
         """Make ``stream`` wait for layer ``layer`` (nothing for a layer this submission did
-        not move)."""
+        not move); a layer that is not an int is refused with InvalidArgument."""
+        if type(layer) is not int:
+            layer = as_layer(layer)
         if self._one is not None:
             wait = self._one if 0 <= layer < self._layers else None
         else:
@@ -218,6 +222,8 @@ class Submission:
     def check(self, layer: int | None = None) -> None:
         """Raise the failure of the whole submission, or with ``layer`` of the jobs that
         moved that layer (a job for every layer counts for each)."""
+        if layer is not None:
+            layer = as_layer(layer, "an int or None")
         for owner, c in self._done:
             if layer is None or owner is None or owner == layer:
                 c.check()
@@ -299,12 +305,7 @@ class BoundPlan:
             raise InvalidIndices("device_indices", f"{h.numel()} entries (as many as "
                                   "host_indices)", f"{d.numel()}", ctx)
         if layer is not None:
-            if self.op is not Op.LOAD_LAYER:
-                raise InvalidArgument("layer", f"None ({self.op.value} moves every layer)",
-                                      repr(layer), ctx)
-            if not isinstance(layer, int) or not 0 <= layer < self.num_layers:
-                raise InvalidArgument("layer", f"an int in [0, {self.num_layers}) or None "
-                                      "(every layer)", repr(layer), ctx)
+            self._check_layer(layer)
         write = self.op is Op.WRITE_BACK
         if h.is_cpu and not host_trusted and h not in self._checked_host:
             check_cpu_indices("host_indices", h, self._host_size, ctx,
@@ -315,6 +316,12 @@ class BoundPlan:
                               runs=self._page_size)
             self._checked_device.add(d)
         return h, d
+
+    def _check_layer(self, layer: object) -> int:
+        if self.op is not Op.LOAD_LAYER:
+            raise InvalidArgument("layer", f"None ({self.op.value} moves every layer)",
+                                  repr(layer), self._context)
+        return check_layer(layer, self.num_layers, self._context)
 
     def variant_for(self, host_indices: torch.Tensor, device_indices: torch.Tensor,
                     ) -> OpSupport:
@@ -366,8 +373,12 @@ class BoundPlan:
         ``after`` must be streams of the plan's device; anything else is refused with
         InvalidArgument before anything is enqueued.
         """
+        # checked whatever `check` says (it vouches for values; a kernel indexes by `layer`)
+        if layer is not None and (type(layer) is not int or not 0 <= layer < self.num_layers
+                                  or self.op is not Op.LOAD_LAYER):
+            layer = self._check_layer(layer)
         if check:
-            h, d = self.check(host_indices, device_indices, layer, host_trusted=host_trusted)
+            h, d = self.check(host_indices, device_indices, host_trusted=host_trusted)
         else:
             h, d = host_indices, device_indices
         if stream is not None and stream is not self._stream_seen:

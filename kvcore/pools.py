@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import attrs
 import numpy as np
@@ -23,7 +23,7 @@ from kvcore.layout import (
     shape_names,
     size_from_shape,
 )
-from kvcore.validate import check_cpu_indices, check_index_tensor, describe_tensor
+from kvcore.validate import check_cpu_indices, check_index_tensor, describe_tensor, is_int
 
 
 def _pointer_table(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
@@ -148,9 +148,11 @@ class SlotAllocator:
     """
 
     def __init__(self, size: int, page_size: int) -> None:
-        if page_size <= 0 or size <= 0 or size % page_size:
-            raise InvalidArgument("size", f"a positive multiple of page_size {page_size}",
-                                  str(size))
+        if not is_int(page_size) or page_size <= 0:
+            raise InvalidArgument("page_size", "a positive int", repr(page_size))
+        if not is_int(size) or size <= 0 or size % page_size:
+            raise InvalidArgument("size", f"a positive int multiple of page_size {page_size}",
+                                  repr(size))
         self.size = size
         self.page_size = page_size
         self.num_pages = size // page_size
@@ -174,9 +176,9 @@ class SlotAllocator:
     def alloc_values(self, num_tokens: int) -> tuple[torch.Tensor, np.ndarray]:
         """:meth:`alloc`, with the NumPy array the tensor shares its memory with (what a
         caller that keeps a copy of the values reads without converting the tensor)."""
-        if num_tokens < 0 or num_tokens % self.page_size:
-            raise InvalidArgument("num_tokens", f"a non-negative multiple of page_size "
-                                  f"{self.page_size}", str(num_tokens))
+        if not is_int(num_tokens) or num_tokens < 0 or num_tokens % self.page_size:
+            raise InvalidArgument("num_tokens", f"a non-negative int multiple of page_size "
+                                  f"{self.page_size}", repr(num_tokens))
         n = num_tokens // self.page_size
         with self._lock:
             top = self._top
@@ -195,24 +197,31 @@ class SlotAllocator:
                 tokens = self._tokens.take(pages, axis=0).reshape(-1)
         return torch.from_numpy(tokens), tokens
 
-    def free(self, indices: torch.Tensor, *, checked: bool = False,
-             name: str = "indices") -> None:
+    def free(self, indices: torch.Tensor, *, checked: bool = False, name: str = "indices",
+             in_use: Callable[[np.ndarray], str | None] | None = None) -> None:
         """Return whole pages; freeing a page that is not allocated raises and frees nothing
         (errors name the argument ``name``).
 
-        ``checked``: the caller vouches that ``indices`` holds whole pages of this pool, each
-        once (tensors this allocator handed out, unchanged since; the controller knows which
-        through :class:`~kvcore.validate.CheckedTensors`): their values are then not checked
-        again, only that every page is still allocated."""
+        ``checked``: the caller vouches that ``indices`` holds whole pages of this pool
+        (tensors this allocator handed out, unchanged since; the controller knows which
+        through :class:`~kvcore.validate.CheckedTensors`): their tokens are then not checked
+        one by one. Their pages still are: in range, each once, and every one allocated.
+
+        ``in_use``: says why some of these pages must not be freed yet (the controller: a
+        write-back into them is not acknowledged), or None; given the page numbers."""
         pages = self._pages_of(name, indices, checked)
         n = pages.size
         if n == 0:
             return
-        if n > 1 and not checked:
+        if n > 1:
             ordered = np.sort(pages)
             if np.count_nonzero(ordered[1:] == ordered[:-1]):
                 raise AllocatorError(f"{name}: double free, the same page appears twice in "
                                      "one free() call; nothing was freed")
+        if in_use is not None:
+            why = in_use(pages)
+            if why is not None:
+                raise AllocatorError(f"{name}: {why}; nothing was freed")
         with self._lock:
             taken = self._taken
             held = taken[pages]
@@ -229,9 +238,16 @@ class SlotAllocator:
 
     def is_allocated(self, indices: torch.Tensor) -> bool:
         """Whether every page of ``indices`` is allocated (``indices`` is value-checked)."""
-        pages = self._pages_of("indices", indices)
+        return self.first_free_page(indices) is None
+
+    def first_free_page(self, indices: torch.Tensor, *, checked: bool = False,
+                        name: str = "indices") -> int | None:
+        """The first page of ``indices`` that is not allocated, or None where every one is
+        (``checked`` as in :meth:`free`)."""
+        pages = self._pages_of(name, indices, checked)
         with self._lock:
-            return bool(self._taken[pages].all())
+            free = np.flatnonzero(~self._taken[pages])
+        return int(pages[free[0]]) if free.size else None
 
     def state(self) -> AllocatorState:
         """The free stack and the allocated pages, for tests and for checking nothing leaked."""
@@ -242,11 +258,20 @@ class SlotAllocator:
     def _pages_of(self, name: str, indices: torch.Tensor, checked: bool = False) -> np.ndarray:
         t = check_index_tensor(name, indices)
         if not t.is_cpu:
-            t = t.cpu()
+            try:
+                t = t.cpu()
+            except (NotImplementedError, RuntimeError) as exc:  # (meta: no values to read)
+                raise TensorMismatch(name, "a tensor whose values can be read (on the CPU)",
+                                     describe_tensor(t)) from exc
         if not checked:
             check_cpu_indices(name, t, self.size, page_size=self.page_size)  # InvalidIndices
         a = t.numpy() if t.is_contiguous() else t.contiguous().numpy()
-        return a[::self.page_size] // self.page_size
+        pages = a[::self.page_size] // self.page_size
+        if checked and pages.size and (int(pages.min()) < 0
+                                       or int(pages.max()) >= self.num_pages):
+            # vouched for, yet not of this pool: never index the page tables with it
+            check_cpu_indices(name, t, self.size, page_size=self.page_size)
+        return pages
 
 
 class HostPool:

@@ -15,7 +15,34 @@ import numpy as np
 import torch
 
 from kvcore.capabilities import INDEX_DTYPES
-from kvcore.errors import InvalidIndices, TensorMismatch
+from kvcore.errors import InvalidArgument, InvalidIndices, TensorMismatch
+
+
+def is_int(value: object) -> bool:
+    """An integer (Python's or NumPy's), not a bool."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def as_layer(layer: object, expected: str = "an int", context: str = "") -> int:
+    """``layer`` as a Python int where it is an integer (a NumPy integer or a 0-d integer
+    tensor counts, a bool does not), else InvalidArgument naming ``layer``."""
+    if type(layer) is int:
+        return layer
+    if is_int(layer) or (isinstance(layer, torch.Tensor) and layer.dim() == 0
+                         and not layer.dtype.is_floating_point and not layer.dtype.is_complex
+                         and layer.dtype is not torch.bool):
+        return int(layer)  # type: ignore[call-overload]
+    raise InvalidArgument("layer", expected, repr(layer), context)
+
+
+def check_layer(layer: object, num_layers: int, context: str = "") -> int:
+    """``layer`` as a Python int in ``[0, num_layers)`` (see :func:`as_layer`), else
+    InvalidArgument naming ``layer``."""
+    expected = f"an int in [0, {num_layers})"
+    n = as_layer(layer, expected, context)
+    if not 0 <= n < num_layers:
+        raise InvalidArgument("layer", expected, repr(layer), context)
+    return n
 
 
 def describe_tensor(t: object) -> str:
@@ -178,6 +205,13 @@ class CheckedTensors:
 
     def __len__(self) -> int:
         return len(self._entries)
+
+    def discard(self, t: object) -> None:
+        """Forget ``t`` (its values are checked again wherever it comes back)."""
+        with self._lock:
+            entry = self._entries.get(id(t))
+            if entry is not None and entry[0]() is t:
+                del self._entries[id(t)]
 
     def _forget(self, key: int) -> None:
         # a weakref callback, possibly inside add() on this thread (a collection): no lock,

@@ -23,6 +23,8 @@ import collections
 import contextlib
 from typing import Any
 
+import numpy as np
+
 from kvcore.errors import ControllerUnusable, DeviceFault, RanksFailed, TransferFailed
 from kvcore.handles import PendingWrite, WriteAck
 from kvcore.pools import SlotAllocator
@@ -92,6 +94,24 @@ class WriteQueue:
         self._pending.append(PendingWrite(ack, event, completions, owns_host))
         return ack
 
+    def holding(self, pages: np.ndarray) -> str | None:
+        """Why some of these host pages must not be freed: the first queued write-back (not
+        acknowledged yet) whose host pages include one of them, or None. Host indices a
+        caller gave on the device are not looked at (reading them would wait for it)."""
+        page_size = self.allocator.page_size
+        for p in (*self._pending, *self._doomed):
+            h = p.ack.host_indices
+            if not h.is_cpu:
+                continue
+            held = h.numpy()[::page_size] // page_size
+            hit = np.flatnonzero(np.isin(pages, held))
+            if hit.size:
+                page = int(pages[hit[0]])
+                return (f"page {page} (slots {page * page_size}..{(page + 1) * page_size - 1}) "
+                        f"is written by write-back {p.ack.id}, not acknowledged yet (free an "
+                        "ack's pages once poll_acks() or wait_acks() returned it)")
+        return None
+
     def drain(self, block: bool) -> list[WriteAck]:
         """The writes acknowledged now, in submission order (``block``: wait for every queued
         write first)."""
@@ -117,10 +137,10 @@ class WriteQueue:
             except Exception as exc:
                 if self._pending and self._pending[0] is p:
                     self._pending.popleft()
+                self._requeue(done)  # (first: what completed stays acknowledgeable)
+                self.health.record(exc)
                 if p.owns_host:
                     self.allocator.free(p.ack.host_indices)
-                self.health.record(exc)
-                self._requeue(done)
                 raise TransferFailed(
                     f"write-back {p.ack.id} failed at completion; its "
                     f"{p.ack.host_indices.numel()} host slots were released: {exc}", exc) from exc

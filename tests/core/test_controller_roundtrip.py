@@ -76,6 +76,7 @@ def roundtrip(registry: Registry, gen: torch.Generator, kind: Kind, layout: Layo
     # -- write-back: random device rows into host pages (allocated, or given in reverse) ----
     d = torch.randperm(device_size, generator=gen)[:tokens].to(index_dtype)
     if reverse_host:
+        ctl.allocator.alloc(host_pages * page_size)  # the caller's slots, of the allocator
         h = page_tokens(range(pages, 0, -1), page_size, index_dtype)  # pages 0, last unused
         ack = ctl.write(d, host_indices=h)
     else:

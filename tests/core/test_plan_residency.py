@@ -89,6 +89,7 @@ def test_run_receives_what_the_entry_declares(resid: tuple[Registry, list[Receiv
     ctl = HiCacheController(dev, host, backend="resid", registry=reg)
     d = page_tokens([3, 0], page_size, index_dtype)
     h = page_tokens([2, 1], page_size, index_dtype)
+    ctl.allocator.alloc(3 * page_size)  # the caller's host slots, from the allocator
     ctl.write(d, host_indices=h)
     assert len(ctl.wait_acks()) == 1
     back = page_tokens([1, 2], page_size, index_dtype)

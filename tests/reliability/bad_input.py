@@ -54,6 +54,8 @@ def bad_input_case(data: st.DataObject, ctl: HiCacheController) -> None:
     d = data.draw(indices(m.device.size, g.page_size, n_pages), label="device_indices")
     h = data.draw(indices(g.size, g.page_size, n_pages), label="host_indices")
     layer = data.draw(st.sampled_from([0, g.num_layers - 1, -1, g.num_layers, None, 0.0]))
+    if op != "write":  # the caller's host slots come from the controller's allocator
+        ctl.allocator.alloc(ctl.allocator.available_size())
     before = Snapshot.of(ctl)
     host0 = m.host.buffer.clone()
     dev0 = [t.clone() for t in m.device.all_buffers()]
@@ -88,7 +90,9 @@ def bad_input_case(data: st.DataObject, ctl: HiCacheController) -> None:
         # a per-layer load through the plan with layer None moves every layer
         layers = range(layer, layer + 1) if op == "load_layer" and layer is not None else None
         expected_dev = oracle_load(m.device, m.host, h, d, layers)  # type: ignore[arg-type]
-        ctl.load(h, d).wait() if layers is None else ctl.plan("load_layer").transfer(  # type: ignore[arg-type]
-            m.device, m.host, h, d, layer=layer)
+        if op == "load_layer":
+            ctl.plan("load_layer").transfer(m.device, m.host, h, d, layer=layer)  # type: ignore[arg-type]
+        else:
+            ctl.load(h, d).wait()  # type: ignore[arg-type]
         for got, want in zip(m.device.all_buffers(), expected_dev, strict=True):
             assert bytes_equal(got, want)
