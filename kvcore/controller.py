@@ -44,7 +44,7 @@ from kvcore.policy import CacheEvent, WritePolicy, should_back_up
 from kvcore.pools import DevicePool, HostPool
 from kvcore.registry import Registry, default_registry, make_request
 from kvcore.streams import Fence, current_stream, new_stream
-from kvcore.validate import CheckedTensors, check_index_tensor, is_int
+from kvcore.validate import CheckedTensors, check_index_tensor, check_instance, is_int
 from kvcore.write_queue import Health, WriteQueue, drain_stream
 
 
@@ -61,8 +61,13 @@ def _failing_together(init: Callable[..., None]) -> Callable[..., None]:
 
     @functools.wraps(init)
     def wrapped(self: HiCacheController, *args: Any, **kwargs: Any) -> None:
-        if kwargs.get("process_group") is None:
+        group = kwargs.get("process_group")
+        if group is None:
             return init(self, *args, **kwargs)
+        process_group_type = getattr(torch.distributed, "ProcessGroup", None)
+        if process_group_type is not None and not isinstance(group, process_group_type):
+            raise InvalidArgument("process_group", "a torch.distributed ProcessGroup or None",
+                                  type(group).__name__)
         from kvcore.distributed import failing_together
 
         with failing_together(kwargs["process_group"]):
@@ -100,12 +105,19 @@ class HiCacheController:
                  process_group: Any = None, agreement_timeout_s: float = 60.0,
                  ack_timeout_s: float = 10.0, registry: Registry | None = None) -> None:
         self.write_policy = parse_enum(WritePolicy, write_policy, "write_policy")
-        self.selective_threshold = selective_threshold
-        self.members = [PoolPair(device_pool, host_pool)] + [PoolPair(d, h) for d, h in members]
+        if not is_int(selective_threshold) or selective_threshold < 1:
+            raise InvalidArgument("selective_threshold", "an int of at least 1",
+                                  repr(selective_threshold))
+        self.selective_threshold = int(selective_threshold)
+        self.members = [_pair("", device_pool, host_pool), *_group(members)]
+        check_instance("registry", registry, (Registry, type(None)), "a Registry or None")
+        check_instance("backend", backend, (str, type(None)), "a backend name or None")
         self.registry = registry or default_registry()
         self.device = device_pool.device
         for i, m in enumerate(self.members):
             _check_pair(i, m, self.members[0])
+        if len(self.members) > 1:
+            _check_members_apart(self.members)
         self.plans: dict[tuple[int, Op], TransferPlan] = {}
         self.bound: dict[tuple[int, Op], BoundPlan] = {}
         for i, m in enumerate(self.members):
@@ -218,6 +230,9 @@ class HiCacheController:
                        hits: int = 0) -> WriteAck | None:
         """Apply the write policy to a radix-cache event; queue a write-back if it says so."""
         ev = parse_enum(CacheEvent, event, "event")
+        check_index_tensor("device_indices", device_indices, "on_cache_event")
+        if not is_int(hits) or hits < 0:
+            raise InvalidArgument("hits", "a non-negative int", repr(hits))
         if should_back_up(self.write_policy, ev, hits, self.selective_threshold):
             return self.write(device_indices)
         return None
@@ -341,6 +356,30 @@ class HiCacheController:
         return TransferFailed(f"{what} failed: {type(exc).__name__}: {exc}", exc)
 
 
+def _pair(name: str, device_pool: object, host_pool: object) -> PoolPair:
+    """A pool pair, or InvalidArgument naming the one that is not a pool (``name``: the
+    member's prefix, "" for the constructor's own arguments)."""
+    check_instance(f"{name}device_pool", device_pool, DevicePool, "a DevicePool")
+    check_instance(f"{name}host_pool", host_pool, HostPool, "a HostPool")
+    return PoolPair(device_pool, host_pool)  # type: ignore[arg-type]
+
+
+def _group(members: object) -> list[PoolPair]:
+    """The extra members, each a (DevicePool, HostPool) pair, named ``members[i]`` as the
+    controller counts them (the first pair is member 0)."""
+    if isinstance(members, (str, bytes)) or not isinstance(members, Sequence):
+        raise InvalidArgument("members", "a sequence of (DevicePool, HostPool) pairs",
+                              type(members).__name__)
+    pairs = []
+    for i, m in enumerate(members, start=1):
+        if not isinstance(m, (tuple, list)) or len(m) != 2:
+            raise InvalidArgument(f"members[{i}]", "a (DevicePool, HostPool) pair",
+                                  type(m).__name__ if not isinstance(m, (tuple, list))
+                                  else f"{len(m)} items")
+        pairs.append(_pair(f"members[{i}].", *m))
+    return pairs
+
+
 def _check_pair(i: int, m: PoolPair, first: PoolPair) -> None:
     g, d = m.host.geometry, m.device
     check_pool_pair(d, m.host, f"members[{i}]" if i else "host_pool")
@@ -356,6 +395,33 @@ def _check_pair(i: int, m: PoolPair, first: PoolPair) -> None:
                                  f"host {g.size}/{g.page_size}, device {d.size}")
         if d.device != first.device.device:
             raise TensorMismatch(f"members[{i}].device", str(first.device.device), str(d.device))
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """The bytes [start, end) a tensor's elements occupy."""
+    if t.numel() == 0:
+        return t.data_ptr(), t.data_ptr()
+    last = sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True))
+    return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+
+
+def _check_members_apart(members: list[PoolPair]) -> None:
+    """No two pool-group members share host or device memory: one member's write-back would
+    overwrite another's host pages, and its load would fill the other's device pages."""
+    for role, pools in (("host_pool", [[m.host.buffer] for m in members]),
+                        ("device_pool", [m.device.all_buffers() for m in members])):
+        spans = sorted((*_span(t), i) for i, ts in enumerate(pools) for t in ts
+                       if t.data_ptr())  # (no address: storage-less, e.g. meta)
+        reach = [0] * len(members)  # the furthest end of each member's spans so far
+        for start, end, i in spans:
+            for j, furthest in enumerate(reach):
+                if j != i and furthest > start:
+                    first, later = sorted((i, j))
+                    raise InvalidArgument(
+                        f"members[{later}].{role}" if later else role,
+                        f"a {role} of its own (memory no other member uses)",
+                        f"memory shared with {f'members[{first}].' if first else ''}{role}")
+            reach[i] = max(reach[i], end)
 
 
 __all__ = ["CacheEvent", "HiCacheController", "LoadHandle", "PoolPair", "WriteAck",

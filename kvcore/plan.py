@@ -21,7 +21,7 @@ not dereference an out-of-range one and reports it through the transfer's comple
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import attrs
 import torch
@@ -39,6 +39,7 @@ from kvcore.errors import (
 )
 from kvcore.layout import Kind, Layout, Op, page_block_contiguous, page_contiguous
 from kvcore.placement import IndexRing, fits, place, stream_key
+from kvcore.pools import DevicePool, HostPool
 from kvcore.signals import WAIT_CURRENT
 from kvcore.streams import Fence, current_stream, has_streams, on_stream, recorded_event
 from kvcore.validate import (
@@ -46,12 +47,10 @@ from kvcore.validate import (
     as_layer,
     check_cpu_indices,
     check_index_tensor,
+    check_instance,
     check_layer,
     describe_tensor,
 )
-
-if TYPE_CHECKING:
-    from kvcore.pools import DevicePool, HostPool
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -244,6 +243,8 @@ class BoundPlan:
         self.plan = plan
         self.device_pool = device_pool
         self.host_pool = host_pool
+        check_instance("device_pool", device_pool, DevicePool, "a DevicePool", plan.context)
+        check_instance("host_pool", host_pool, HostPool, "a HostPool", plan.context)
         self.op = plan.request.op
         self.device = device_pool.device
         _check_pools(plan, device_pool, host_pool)
@@ -328,7 +329,9 @@ class BoundPlan:
         """The variant a submit of these tensors runs: :attr:`support`, or
         :attr:`device_support` where the caller's indices are on the device and
         :attr:`support` wants one of them on the CPU."""
-        return self._routes[(host_indices.is_cpu, device_indices.is_cpu)]
+        h = check_index_tensor("host_indices", host_indices, self._context)
+        d = check_index_tensor("device_indices", device_indices, self._context)
+        return self._routes[(h.is_cpu, d.is_cpu)]
 
     def _route(self, h_cpu: bool, d_cpu: bool) -> OpSupport:
         s = self.support
@@ -345,6 +348,11 @@ class BoundPlan:
         :attr:`support` may copy them to the CPU, which waits for the device."""
         if support is None:
             support = self.variant_for(host_indices, device_indices)
+        else:
+            check_index_tensor("host_indices", host_indices, self._context)
+            check_index_tensor("device_indices", device_indices, self._context)
+            check_instance("support", support, OpSupport, "one of the plan's OpSupport",
+                           self._context)
         return (place(host_indices, support.host_index, self.device),
                 place(device_indices, support.device_index, self.device))
 

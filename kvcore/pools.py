@@ -31,6 +31,16 @@ def _pointer_table(tensors: Sequence[torch.Tensor], device: torch.device) -> tor
     return ptrs.view(torch.uint64).to(device)
 
 
+def _tensors(name: str, buffers: object) -> list[torch.Tensor]:
+    """``buffers`` as a list of tensors, or TensorMismatch naming the first that is not."""
+    if isinstance(buffers, torch.Tensor) or not isinstance(buffers, Sequence):
+        raise TensorMismatch(name, "a sequence of tensors, one per layer", type(buffers).__name__)
+    for i, t in enumerate(buffers):
+        if not isinstance(t, torch.Tensor):
+            raise TensorMismatch(f"{name}[{i}]", "a torch.Tensor", type(t).__name__)
+    return list(buffers)
+
+
 class DevicePool:
     """A view over per-layer device tensors of shape ``(size, head_num, head_dim)``.
 
@@ -43,8 +53,8 @@ class DevicePool:
     def __init__(self, kind: Kind, k_buffers: Sequence[torch.Tensor],
                  v_buffers: Sequence[torch.Tensor] | None, page_size: int) -> None:
         self.kind = kind
-        self.k_buffers = list(k_buffers)
-        self.v_buffers = list(v_buffers) if v_buffers is not None else None
+        self.k_buffers = _tensors("k_buffers", k_buffers)
+        self.v_buffers = _tensors("v_buffers", v_buffers) if v_buffers is not None else None
         if kind is Kind.MHA and self.v_buffers is None:
             raise InvalidArgument("v_buffers", "one tensor per layer for an MHA pool", "None")
         if kind is Kind.MLA and self.v_buffers is not None:
@@ -71,10 +81,13 @@ class DevicePool:
         if kind is Kind.MLA and self.head_num != 1:
             raise TensorMismatch("k_buffers[0]", "head_num 1 for an MLA pool",
                                  describe_tensor(first))
-        if page_size <= 0 or self.size % page_size:
+        if self.size == 0 or self.head_num == 0 or self.head_dim == 0:
+            raise TensorMismatch("k_buffers[0]", "a pool of at least one token of one element",
+                                 describe_tensor(first))
+        if not is_int(page_size) or page_size <= 0 or self.size % page_size:
             raise InvalidArgument("page_size", f"a positive divisor of the pool size {self.size}",
-                                  str(page_size))
-        self.page_size = page_size
+                                  repr(page_size))
+        self.page_size = int(page_size)
         self.dtype = first.dtype
         self.device = first.device
         self.k_ptrs = _pointer_table(self.k_buffers, self.device)
@@ -94,9 +107,23 @@ class DevicePool:
                  page_size: int) -> DevicePool:
         """Allocate new, uninitialised per-layer tensors."""
         k = parse_enum(Kind, kind, "kind")
-        shape = (size, head_num, head_dim)
-        ks = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        vs = ([torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        for name, value in (("num_layers", num_layers), ("size", size),
+                            ("head_num", head_num), ("head_dim", head_dim),
+                            ("page_size", page_size)):
+            if not is_int(value) or value <= 0:
+                raise InvalidArgument(name, "a positive int", repr(value))
+        if not isinstance(dtype, torch.dtype):
+            raise InvalidArgument("dtype", "a torch.dtype", repr(dtype))
+        shape = (int(size), int(head_num), int(head_dim))
+        try:
+            first = torch.empty(shape, dtype=dtype, device=device)
+        except (RuntimeError, AssertionError, TypeError) as exc:
+            raise InvalidArgument("device", "a device this torch can allocate on",
+                                  f"{device!r} ({type(exc).__name__}: {exc})".splitlines()[0],
+                                  ) from None
+        ks = [first] + [torch.empty(shape, dtype=dtype, device=first.device)
+                        for _ in range(num_layers - 1)]
+        vs = ([torch.empty(shape, dtype=dtype, device=first.device) for _ in range(num_layers)]
               if k is Kind.MHA else None)
         return cls(k, ks, vs, page_size)
 
@@ -305,6 +332,10 @@ class HostPool:
         """Adopt an existing host buffer (its size is read from its shape)."""
         k = parse_enum(Kind, kind, "kind")
         lay = parse_enum(Layout, layout, "layout")
+        if not isinstance(buffer, torch.Tensor):
+            raise TensorMismatch("buffer", "a torch.Tensor", type(buffer).__name__)
+        if not is_int(page_size) or page_size <= 0:
+            raise InvalidArgument("page_size", "a positive int", repr(page_size))
         size = size_from_shape(tuple(buffer.shape), k, lay, page_size)
         try:
             g = Geometry(k, lay, num_layers, size, head_num, head_dim, page_size,
@@ -319,6 +350,8 @@ class HostPool:
                 f"{describe_tensor(buffer)}: {size} tokens") from None
         if memory is None:
             memory = HostMemory.PINNED if buffer.is_pinned() else HostMemory.PLAIN
+        else:
+            memory = parse_enum(HostMemory, memory, "memory")
         return cls(g, buffer, memory)
 
 

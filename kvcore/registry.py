@@ -73,6 +73,7 @@ from kvcore.layout import (
 from kvcore.plan import TransferPlan, TransferRequest
 from kvcore.pools import HostPool
 from kvcore.streams import resolve_device
+from kvcore.validate import is_int
 
 try:  # the backport is a declared dependency; the stdlib module serves where it is absent
     import importlib_metadata as metadata
@@ -374,6 +375,11 @@ class Registry:
 
     def explain(self, request: TransferRequest, backend: str | None = None) -> Resolution:
         """Resolve ``request`` and report every candidate's outcome (never raises NoBackend)."""
+        if not isinstance(request, TransferRequest):
+            raise InvalidArgument("request", "a TransferRequest (see make_request)",
+                                  type(request).__name__)
+        if not isinstance(backend, (str, type(None))):
+            raise InvalidArgument("backend", "a backend name or None", type(backend).__name__)
         check_combination(request.op, request.kind, request.layout)
         forced = backend or self._environ.get("KVCORE_BACKEND") or None
         if forced is not None:
@@ -473,25 +479,49 @@ def allocate_host_pool(kind: Kind | str, layout: Layout | str, num_layers: int, 
     the platform has it, plain on the CPU. The allocator is the backend's choice."""
     k = parse_enum(Kind, kind, "kind")
     lay = parse_enum(Layout, layout, "layout")
+    if not isinstance(dtype, torch.dtype):
+        raise InvalidArgument("dtype", "a torch.dtype", repr(dtype))
+    if not isinstance(registry, (Registry, type(None))):
+        raise InvalidArgument("registry", "a Registry or None", type(registry).__name__)
     g = Geometry(k, lay, num_layers, size, head_num, head_dim, page_size,
                  head_group_num)
     byte_strides(g, dtype.itemsize)  # refuses what this dtype cannot lay out, before allocating
     req = make_request(Op.WRITE_BACK, k, lay, dtype, head_num * head_dim * dtype.itemsize,
                        device)
     plan = (registry or default_registry()).resolve(req, backend)
-    buffer, memory = plan.instance().allocate_host(host_shape(g), dtype)
+    backend_instance = plan.instance()
+    try:
+        buffer, memory = backend_instance.allocate_host(host_shape(g), dtype)
+    except KVCoreError:
+        raise
+    except (RuntimeError, AssertionError) as exc:  # e.g. pinned memory this torch cannot make
+        raise BackendUnavailable(
+            f"backend {plan.backend_name!r} could not allocate a host pool for {req.device}: "
+            f"{type(exc).__name__}: {exc}".splitlines()[0]) from exc
     return HostPool(g, buffer, memory)
 
 
 def make_request(op: Op | str, kind: Kind | str, layout: Layout | str, dtype: torch.dtype,
                  element_bytes: int, device: torch.device | str) -> TransferRequest:
     """Build a request from loose values, raising InvalidArgument / UnsupportedCombination."""
-    req = TransferRequest(
-        op=parse_enum(Op, op, "op"),
-        kind=parse_enum(Kind, kind, "kind"),
-        layout=parse_enum(Layout, layout, "layout"),
-        dtype=dtype, element_bytes=element_bytes, device=resolve_device(device))
-    if element_bytes <= 0:
-        raise InvalidArgument("element_bytes", "a positive int", str(element_bytes))
+    parsed = (parse_enum(Op, op, "op"), parse_enum(Kind, kind, "kind"),
+              parse_enum(Layout, layout, "layout"))
+    if not isinstance(dtype, torch.dtype):
+        raise InvalidArgument("dtype", "a torch.dtype", repr(dtype))
+    if not is_int(element_bytes) or element_bytes <= 0:
+        raise InvalidArgument("element_bytes", "a positive int", repr(element_bytes))
+    req = TransferRequest(op=parsed[0], kind=parsed[1], layout=parsed[2], dtype=dtype,
+                          element_bytes=int(element_bytes), device=_device("device", device))
     check_combination(req.op, req.kind, req.layout)
     return req
+
+
+def _device(name: str, device: object) -> torch.device:
+    """``device`` parsed and indexed (:func:`~kvcore.streams.resolve_device`), or
+    InvalidArgument naming ``name``."""
+    if not isinstance(device, (str, torch.device)):
+        raise InvalidArgument(name, "a torch.device or a device string", repr(device))
+    try:
+        return resolve_device(device)
+    except (RuntimeError, ValueError) as exc:
+        raise InvalidArgument(name, "a torch.device or a device string", repr(device)) from exc

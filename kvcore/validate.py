@@ -23,6 +23,13 @@ def is_int(value: object) -> bool:
     return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
 
 
+def check_instance(name: str, value: object, cls: type | tuple[type, ...], expected: str,
+                   context: str = "") -> None:
+    """InvalidArgument naming ``name`` unless ``value`` is an instance of ``cls``."""
+    if not isinstance(value, cls):
+        raise InvalidArgument(name, expected, type(value).__name__, context)
+
+
 def as_layer(layer: object, expected: str = "an int", context: str = "") -> int:
     """``layer`` as a Python int where it is an integer (a NumPy integer or a 0-d integer
     tensor counts, a bool does not), else InvalidArgument naming ``layer``."""
