@@ -328,8 +328,7 @@ class HiCacheController:
             subs: list[Submission] = []
             try:
                 for i in members:
-                    subs.append(self.bound[(i, op)].submit(h, d, stream=stream, check=False,
-                                                           after=caller))
+                    subs.append(self.bound[(i, op)]._issue(h, d, None, stream, after=caller))
             except BaseException:
                 for sub in subs:  # what an earlier member queued must not outlive the call
                     with contextlib.suppress(Exception):
@@ -342,8 +341,7 @@ class HiCacheController:
         # stream then follows (copies and all)
         placed = [self.bound[(i, op)].place(h, d) for i in members]
         self._fence.order(stream, caller)
-        return [self.bound[(i, op)].submit(*placed[i], layer=layer, stream=stream,
-                                           check=False, chained=layer + i > 0)
+        return [self.bound[(i, op)]._issue(*placed[i], layer, stream, layer + i > 0)
                 for layer in range(self.members[0].host.geometry.num_layers) for i in members]
 
     def _failure(self, what: str, exc: BaseException) -> BaseException:

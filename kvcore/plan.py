@@ -296,15 +296,7 @@ class BoundPlan:
         load with the same tensors pays for the check once.
         """
         ctx = self._context
-        h = check_index_tensor("host_indices", host_indices, ctx)
-        d = check_index_tensor("device_indices", device_indices, ctx)
-        for name, t in (("host_indices", h), ("device_indices", d)):
-            if not t.is_cpu and t.device != self.device:
-                where = "cpu" if self.device.type == "cpu" else f"cpu or {self.device}"
-                raise TensorMismatch(name, f"a tensor on {where}", describe_tensor(t), ctx)
-        if h.numel() != d.numel():
-            raise InvalidIndices("device_indices", f"{h.numel()} entries (as many as "
-                                  "host_indices)", f"{d.numel()}", ctx)
+        h, d = self._check_form(host_indices, device_indices)
         if layer is not None:
             self._check_layer(layer)
         write = self.op is Op.WRITE_BACK
@@ -316,6 +308,23 @@ class BoundPlan:
             check_cpu_indices("device_indices", d, self._device_size, ctx, unique=not write,
                               runs=self._page_size)
             self._checked_device.add(d)
+        return h, d
+
+    def _check_form(self, host_indices: object, device_indices: object,
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """What any submit must hold whatever the caller vouches for (a kernel reads as many
+        device indices as there are host indices): 1-D int32/int64 tensors of equal length,
+        each on the CPU or the plan's device."""
+        ctx = self._context
+        h = check_index_tensor("host_indices", host_indices, ctx)
+        d = check_index_tensor("device_indices", device_indices, ctx)
+        for name, t in (("host_indices", h), ("device_indices", d)):
+            if not t.is_cpu and t.device != self.device:
+                where = "cpu" if self.device.type == "cpu" else f"cpu or {self.device}"
+                raise TensorMismatch(name, f"a tensor on {where}", describe_tensor(t), ctx)
+        if h.numel() != d.numel():
+            raise InvalidIndices("device_indices", f"{h.numel()} entries (as many as "
+                                  "host_indices)", f"{d.numel()}", ctx)
         return h, d
 
     def _check_layer(self, layer: object) -> int:
@@ -374,7 +383,8 @@ class BoundPlan:
         each layer. An int moves that layer only (``chained``: the caller promises the work
         just before it on ``stream`` is another layer of the same load, see
         :class:`~kvcore.backend.TransferJob`). ``check=False`` skips the value checks (the
-        caller already ran :meth:`check` on these tensors).
+        caller already ran :meth:`check` on these tensors); their type, dtype, rank, device
+        and lengths, and ``layer``, are checked either way.
 
         CPU indices the variant reads on the device are copied there on ``stream``, through
         memory this plan reuses once the transfers that read it completed. ``stream`` and
@@ -388,7 +398,13 @@ class BoundPlan:
         if check:
             h, d = self.check(host_indices, device_indices, host_trusted=host_trusted)
         else:
-            h, d = host_indices, device_indices
+            h, d = self._check_form(host_indices, device_indices)
+        return self._issue(h, d, layer, stream, chained, after)
+
+    def _issue(self, h: torch.Tensor, d: torch.Tensor, layer: int | None, stream: Any,
+               chained: bool = False, after: Any = None) -> Submission:
+        """:meth:`submit` of tensors and a layer already checked (the controller's, which
+        ran :meth:`check` itself): only the streams are looked at."""
         if stream is not None and stream is not self._stream_seen:
             self._stream_seen = self._check_stream("stream", stream)
         if after is not None and after is not self._stream_seen:

@@ -106,6 +106,15 @@ CALLS: list[tuple[str, Callable[[HiCacheController], Any]]] = [
         page_tokens([0], P), torch.arange(4), layer=-1, check=False)),
     ("layer", lambda c: c.bound[(0, Op.WRITE_BACK)].submit(
         page_tokens([0], P), torch.arange(4), layer=0, check=False)),
+    # check=False vouches for values only: a kernel reads as many device indices as host ones
+    ("device_indices", lambda c: c.bound[(0, Op.LOAD_LAYER)].submit(
+        page_tokens([0, 1], P), torch.arange(4), check=False)),
+    ("device_indices", lambda c: c.bound[(0, Op.WRITE_BACK)].submit(
+        page_tokens([0], P), torch.arange(4.0), check=False)),
+    ("host_indices", lambda c: c.bound[(0, Op.LOAD_ALL)].submit(
+        [0, 1, 2, 3], torch.arange(4), check=False)),
+    ("host_indices", lambda c: c.bound[(0, Op.LOAD_ALL)].submit(
+        page_tokens([0], P).view(2, 2), torch.arange(4), check=False)),
     ("host_indices", lambda c: c.bound[(0, Op.LOAD_LAYER)].place([0, 1, 2, 3], torch.arange(4))),
     ("host_indices", lambda c: c.bound[(0, Op.LOAD_LAYER)].place(
         page_tokens([0], P).float() + 0.7, torch.arange(4))),
