@@ -129,8 +129,8 @@ class IndexRing:
         self._views: dict[tuple[torch.dtype, int], torch.Tensor] = {}
         self._lock = threading.Lock()
 
-    def stage(self, indices: torch.Tensor, dtype: torch.dtype,
-              stream: Any = None) -> tuple[torch.Tensor, int] | None:
+    def stage(self, indices: torch.Tensor, dtype: torch.dtype, stream: Any = None,
+              remember: bool = True) -> tuple[torch.Tensor, int] | None:
         """A device tensor of ``indices`` (a contiguous CPU tensor) as ``dtype``, copied on
         ``stream`` (with ``upload``; else on the current stream, which must be ``stream``),
         and the segment it came from (for :meth:`seal`); None where the ring has no free slot
@@ -138,8 +138,12 @@ class IndexRing:
 
         The same tensor staged again on the same stream, with the same values, gets the slot
         it got before while that slot is still live: nothing is copied, and the slot is held
-        until this submit too is sealed and done (the earlier copy is ahead on the stream)."""
+        until this submit too is sealed and done (the earlier copy is ahead on the stream).
+        ``remember=False``: the caller will not stage this tensor again soon (a submit of a
+        whole operation), so neither look for nor keep its slot."""
         with self._lock:
+            if not remember:
+                return self._stage(indices, dtype, stream)
             key = (id(indices), dtype, stream_key(stream))
             reused = self._reuse(key, indices)
             if reused is not None:

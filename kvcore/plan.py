@@ -422,10 +422,11 @@ class BoundPlan:
             ring = self._ring
             if ring is not None and ring.upload is not None:  # no stream switch needed
                 # CPU indices only: what they read the CPU wrote, so no need to follow `after`
+                again = layer is not None  # (an engine submits each layer's alone)
                 if not h_placed:
-                    h, h_placed = self._ring_stage(h, support.host_index, segments, s)
+                    h, h_placed = self._ring_stage(h, support.host_index, segments, s, again)
                 if not d_placed:
-                    d, d_placed = self._ring_stage(d, support.device_index, segments, s)
+                    d, d_placed = self._ring_stage(d, support.device_index, segments, s, again)
             if not (h_placed and d_placed):
                 if after is not None:  # before anything reads a tensor `after` may write
                     self._fence.order(s, after)
@@ -458,13 +459,14 @@ class BoundPlan:
         return stream
 
     def _ring_stage(self, t: torch.Tensor, spec: IndexSpec, segments: list[int],
-                    stream: Any) -> tuple[torch.Tensor, bool]:
+                    stream: Any, again: bool = True) -> tuple[torch.Tensor, bool]:
         """``t`` copied to the device through the ring where ``spec`` wants it there and the
-        ring can take it (then placed: True), else ``t`` itself (False)."""
+        ring can take it (then placed: True), else ``t`` itself (False). ``again``: ``t`` may
+        be submitted again soon (see :meth:`IndexRing.stage`)."""
         if (self._ring is not None and t.is_cpu and spec.residency is Residency.DEVICE
                 and t.is_contiguous()):
             dtype = t.dtype if t.dtype in spec.dtypes else spec.dtypes[0]
-            staged = self._ring.stage(t, dtype, stream)
+            staged = self._ring.stage(t, dtype, stream, again)
             if staged is not None:
                 segments.append(staged[1])
                 return staged[0], True
