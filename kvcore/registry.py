@@ -36,6 +36,7 @@ import re
 import threading
 import traceback
 from collections.abc import Iterator
+from typing import Any
 
 import attrs
 import pluggy
@@ -263,6 +264,7 @@ class Registry:
             staged: list[BackendSpec] = []
             for impl in impls:
                 impl.function(register=staged.append)
+            self._check_staged(ep, dist, impls, staged)
             for spec in staged:
                 self.register(spec, source=ep.name, distribution=dist)
         except Exception as exc:
@@ -275,10 +277,44 @@ class Registry:
                 raise PluginLoadError(broken.reason + " (KVCORE_STRICT=1)",
                                       plugin_traceback=broken.traceback) from exc
 
+    @staticmethod
+    def _check_staged(ep: metadata.EntryPoint, dist: str | None, impls: list[Any],
+                      staged: list[Any]) -> None:
+        """What an entry point's hook registered, before any of it is: at least one
+        BackendSpec, each name once, and a shipped backend's name only from its own
+        distribution (else another plugin could stand in for the reference oracle)."""
+        where = f"entry point {ep.name!r} ({dist or 'unknown distribution'})"
+        if not impls:
+            raise PluginLoadError(
+                f"{where} imported {ep.value.split(':')[0]} but registered no backend: it has "
+                "no kvcore_register_backends hook (missing @kvcore.hookimpl, or a misspelled "
+                "hook name?)")
+        if not staged:
+            raise PluginLoadError(f"{where}: its kvcore_register_backends hook called "
+                                  "register() for no backend")
+        names: list[str] = []
+        for spec in staged:
+            if not isinstance(spec, BackendSpec):
+                raise PluginLoadError(f"{where}: register() expects a kvcore.BackendSpec, "
+                                      f"got {type(spec).__name__}")
+            name = spec.capabilities.name
+            if name in names:
+                raise PluginLoadError(f"{where} registered backend {name!r} twice")
+            names.append(name)
+            owner = SHIPPED.get(name)
+            if owner is not None and not _same_dist(dist, owner):
+                raise PluginLoadError(
+                    f"{where} registered a backend named {name!r}, the name of the shipped "
+                    f"distribution {owner}'s backend (an impostor); refused")
+
     def register(self, spec: BackendSpec, source: str = "in-process",
                  distribution: str | None = None) -> None:
         """Register a backend directly (tests, embedding). Refuses API mismatches and dupes."""
         caps = spec.capabilities
+        if type(caps.api_version) is not int:
+            raise PluginLoadError(f"backend {caps.name!r}: api_version: expected the int "
+                                  f"{API_VERSION} (kvcore.API_VERSION), got "
+                                  f"{caps.api_version!r} ({type(caps.api_version).__name__})")
         if caps.api_version != API_VERSION:
             raise ApiVersionMismatch(caps.name, caps.version, caps.api_version, API_VERSION)
         with self._lock:

@@ -139,3 +139,61 @@ def test_disallowed_plugins_are_not_imported(fake_plugin: FakePlugin) -> None:
     reg = Registry(environ={"KVCORE_PLUGINS": "cuda"})
     assert {r.source for r in reg.backends()} == {"reference", "cuda"}
     assert module not in sys.modules
+
+
+# -- what a plugin's hook registers is checked before any of it is ----------------------------
+
+NO_HOOK_SOURCE = """
+    import kvcore
+
+    def kvcore_register_backend(register):  # (misspelled, and not a hookimpl)
+        raise AssertionError("never called")
+"""
+
+REGISTERS_NOTHING_SOURCE = """
+    import kvcore
+
+    @kvcore.hookimpl
+    def kvcore_register_backends(register):
+        pass
+"""
+
+
+def _broken(reg: Registry, ep: str) -> str:
+    [broken] = [b for b in reg.broken() if b.name == ep]
+    return str(broken.error)
+
+
+def test_a_plugin_may_not_register_a_shipped_backend_s_name(fake_plugin: FakePlugin) -> None:
+    """A plugin whose capabilities say "reference" is refused, and the real reference (the
+    conformance suite's oracle) stays the shipped one, whichever entry point loads first."""
+    ep, dist = fake_plugin(good_plugin_source("reference"))
+    reg = Registry(environ={})
+    assert "the name of the shipped distribution kvio-reference's backend (an impostor)" \
+        in _broken(reg, ep)
+    assert _normal(reg.get("reference").distribution) == "kvio-reference"
+    assert dist not in {_normal(r.distribution) for r in reg.backends()}
+
+
+@pytest.mark.parametrize(("source", "says"), [
+    (NO_HOOK_SOURCE, "registered no backend: it has no kvcore_register_backends hook"),
+    (REGISTERS_NOTHING_SOURCE, "called register() for no backend"),
+    (good_plugin_source("twice").replace("register(BackendSpec(capabilities=CAPS, "
+                                         "factory=_factory))",
+                                         "register(BackendSpec(capabilities=CAPS, "
+                                         "factory=_factory)); register(BackendSpec("
+                                         "capabilities=CAPS, factory=_factory))"),
+     "registered backend 'twice' twice"),
+    (good_plugin_source("caps").replace("register(BackendSpec(capabilities=CAPS, "
+                                        "factory=_factory))", "register(CAPS)"),
+     "register() expects a kvcore.BackendSpec, got Capabilities"),
+    (good_plugin_source("strver").replace("api_version=API_VERSION + 0",
+                                          "api_version=str(API_VERSION)"),
+     f"api_version: expected the int {API_VERSION} (kvcore.API_VERSION), got '{API_VERSION}'"),
+], ids=["no-hook", "registers-nothing", "twice", "capabilities", "api-version-str"])
+def test_a_plugin_that_registers_wrongly_is_listed_broken_with_why(
+        fake_plugin: FakePlugin, source: str, says: str) -> None:
+    ep, _ = fake_plugin(source)
+    reg = Registry(environ={})
+    assert says in _broken(reg, ep)
+    assert all(r.source != ep for r in reg.backends())  # none of it half-registered
