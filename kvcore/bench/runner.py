@@ -41,7 +41,7 @@ from kvcore.bench.slowdown import CaseRun, Tolerances, slowdown
 from kvcore.bench.sweep import Case
 from kvcore.bench.timing import Clock, Timing
 from kvcore.capabilities import Unavailable
-from kvcore.errors import InvalidArgument, KVCoreError
+from kvcore.errors import BuildError, InvalidArgument, KVCoreError
 from kvcore.plan import Submission, TransferPlan
 from kvcore.pools import DevicePool, HostPool
 from kvcore.registry import REFERENCE, Registry, allocate_host_pool, make_request
@@ -278,6 +278,9 @@ class Bench:
         try:
             plan = self._plan(row.case, row.backend)
             pools = self._pools(row.case, "measured", row.backend, clock)
+        except BuildError as exc:  # it claims the case but cannot be made: a failure
+            row.status, row.reason = FAILED, _first_line(exc)
+            return None
         except KVCoreError as exc:
             row.status, row.reason = UNSUPPORTED, _first_line(exc)
             return None

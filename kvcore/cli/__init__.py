@@ -52,6 +52,13 @@ def main(argv: list[str] | None = None) -> int:
         if plugin_traceback and os.environ.get("KVCORE_STRICT", "").strip() not in ("", "0"):
             print(plugin_traceback.rstrip("\n"), file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        # the reader stopped reading (`kvio backends | head -1`): stop as a pipe's writer
+        # does, quietly, with the status of SIGPIPE; what is still buffered goes nowhere
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return 128 + 13
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -130,8 +130,16 @@ def run(args: argparse.Namespace) -> int:
         return _merge(args)
     cases = _cases(args) if args.through != "controller" else []
     device = parse_device(args.device)
+    registry = default_registry()
     for name in _split(args.backend) or []:
-        require_backend(default_registry(), name, "--backend")
+        require_backend(registry, name, "--backend")
+        available = registry.availability(name)
+        if not available:
+            raise InvalidArgument("--backend", "a backend available on this machine",
+                                  f"{name!r}: {available.reason}")  # type: ignore[union-attr]
+    if not args.backend:  # measured without them, and said so
+        for broken in registry.broken():
+            print(f"kvio bench: {broken.reason}; not measured", file=sys.stderr)
     bench = Bench(registry=default_registry(), device=device, cases=cases,
                   backends=_split(args.backend), warmup=args.warmup, repeat=args.repeat,
                   seed=args.seed, settings={"preset": args.preset},
@@ -278,6 +286,11 @@ def _merge(args: argparse.Namespace) -> int:
         if key in seen:
             raise InvalidArgument("--merge", "each file once", f"{path} (as {seen[key]})")
         seen[key] = path
+    for option in ("json", "markdown", "plot"):  # (an input written over is lost)
+        out = getattr(args, option)
+        if out not in (None, "-") and Path(out).resolve() in seen:
+            raise InvalidArgument(f"--{option}", "a file that is not one of the --merge inputs",
+                                  repr(out))
     loaded = [merge.load(path) for path in args.merge]
     runs: dict[tuple[str, str], str] = {}
     for path, (result, command) in zip(args.merge, loaded, strict=True):
@@ -294,9 +307,11 @@ def _merge(args: argparse.Namespace) -> int:
 
 
 def _exit_code(result: BenchResult) -> int:
-    """1 when a row failed its check or cases (or controller queues) were not run, else 0."""
+    """1 when a row failed its check, a controller queue failed, or cases (or controller
+    queues) were not run, else 0."""
     return 1 if (result.not_run or result.controller_not_run
-                 or any(r.status == "failed" for r in result.rows)) else 0
+                 or any(r.status == "failed" for r in result.rows)
+                 or any(r.error is not None for r in result.controller_rows)) else 0
 
 
 def _report(args: argparse.Namespace, result: BenchResult, cmd: str) -> None:

@@ -98,6 +98,10 @@ def run(args: argparse.Namespace) -> int:
         extra += ["-c", str(config), "--rootdir", str(config.parent)]
         print(f"kvio check: pytest configuration {config}")
     failed = False
+    if not args.name:  # a plugin that did not load is not checked, and says so
+        for broken in registry.broken():
+            print(f"== {broken.name}: not run, {broken.reason}")
+            failed = True
     for name in names:
         why = _runnable(registry, name, device)
         if why is not None:

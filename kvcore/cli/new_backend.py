@@ -16,6 +16,8 @@ from kvcore.registry import SHIPPED
 
 TEMPLATE = "backend"
 _NAME = re.compile(r"[a-z][a-z0-9_]*\Z")
+#: the longest NAME: its module folder name (kvio_NAME) must fit every file system's 255 bytes
+MAX_NAME = 64
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
@@ -37,6 +39,9 @@ def template_values(name: str) -> dict[str, str]:
     if not _NAME.match(name) or keyword.iskeyword(name):
         raise InvalidArgument("NAME", "lowercase letters, digits and _, starting with a letter",
                               repr(name))
+    if len(name) > MAX_NAME:
+        raise InvalidArgument("NAME", f"at most {MAX_NAME} characters",
+                              f"{len(name)} characters")
     if name in SHIPPED:
         raise InvalidArgument("NAME", f"a name no shipped plugin uses (not "
                                       f"{', '.join(sorted(SHIPPED))})",
@@ -77,12 +82,22 @@ def write_skeleton(name: str, target: Path) -> list[Path]:
         raise InvalidArgument("DIR", "a directory you can create and write",
                               f"{target} ({exc.strerror or exc})") from exc
     root = resources.files("kvcore").joinpath("templates").joinpath(TEMPLATE)
-    written = []
-    for rel, entry in _files(root):
-        path = target / rel.replace("package/", values["module"] + "/", 1)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(string.Template(entry.read_text()).substitute(values))
-        written.append(path)
+    written: list[Path] = []
+    try:
+        for rel, entry in _files(root):
+            path = target / rel.replace("package/", values["module"] + "/", 1)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(string.Template(entry.read_text()).substitute(values))
+            written.append(path)
+    except OSError as exc:  # no half-written skeleton is left behind to look complete
+        for path in reversed(written):
+            path.unlink(missing_ok=True)
+        for folder in sorted({p.parent for p in written}, key=lambda f: -len(f.parts)):
+            if folder != target and folder.is_dir() and not any(folder.iterdir()):
+                folder.rmdir()
+        raise InvalidArgument("DIR", "a directory the skeleton can be written into",
+                              f"{target} ({exc.strerror or exc}); nothing was left "
+                              "there") from exc
     return written
 
 

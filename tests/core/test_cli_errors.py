@@ -20,7 +20,7 @@ import torch
 
 from kvcore.cli import main
 
-from .helpers import BROKEN_PLUGIN_SOURCE
+from .helpers import BROKEN_PLUGIN_SOURCE, good_plugin_source
 
 FakePlugin = Callable[[str], tuple[str, str]]
 
@@ -396,3 +396,76 @@ def test_replay_page_size_error_names_page_size(page_size: str,
     argv = ["replay", "--device", "cpu", "--layers", "2", "--heads", "1", "--head-dim", "1",
             "--page-size", page_size, "--min-transfers", "20", "--no-progress"]
     refused(capsys, argv, "InvalidArgument", "InvalidArgument: page_size: ")
+
+
+# ------------------------------------------------------------------- what a run leaves out
+
+WITHOUT_BACKEND = [a for a in SMALL if a not in ("--backend", "reference")]
+
+
+def test_bench_of_a_backend_unavailable_here_is_refused_before_the_sweep(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("cuda is available here")
+    refused(capsys, ["bench", *WITHOUT_BACKEND, "--backend", "cuda"], "InvalidArgument",
+            "--backend", "'cuda'", "available on this machine")
+
+
+def test_merge_refuses_to_write_over_one_of_its_inputs(tmp_path: Path, bench_json: dict,
+                                                       capsys: pytest.CaptureFixture[str],
+                                                       ) -> None:
+    good = _write(tmp_path / "good.json", bench_json)
+    before = Path(good).read_bytes()
+    for option in ("--markdown", "--json"):
+        refused(capsys, ["bench", "--merge", good, option, good], "InvalidArgument", option)
+    assert Path(good).read_bytes() == before
+
+
+def test_bench_says_which_plugin_it_could_not_load(fake_plugin: FakePlugin,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    ep, _ = fake_plugin(BROKEN_PLUGIN_SOURCE)
+    assert main(["bench", *WITHOUT_BACKEND, "--quiet"]) == 0  # the others are measured
+    err = capsys.readouterr().err
+    assert f"kvio bench: plugin {ep!r} failed to load" in err and "not measured" in err
+
+
+def test_bench_fails_a_backend_that_cannot_be_created(fake_plugin: FakePlugin,
+                                                      capsys: pytest.CaptureFixture[str],
+                                                      ) -> None:
+    source = good_plugin_source("unmade").replace(
+        "from kvio_reference.backend import ReferenceBackend",
+        "raise ModuleNotFoundError(\"No module named 'kvio_missing_dep'\")")
+    fake_plugin(source)
+    assert main(["bench", *WITHOUT_BACKEND, "--backend", "unmade", "--through", "kernel",
+                 "--quiet", "--json", "-"]) == 1
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    mine = [r for r in rows if r["backend"] == "unmade"]
+    assert mine and all(r["status"] == "failed" and "kvio_missing_dep" in r["reason"]
+                        for r in mine)
+
+
+def test_check_of_every_backend_names_a_plugin_that_did_not_load(
+        fake_plugin: FakePlugin, capsys: pytest.CaptureFixture[str]) -> None:
+    ep, _ = fake_plugin(BROKEN_PLUGIN_SOURCE)
+    assert main(["check", "--device", "cpu", "-k", "no_case_has_this_name"]) == 1
+    out = capsys.readouterr().out
+    assert f"== {ep}: not run, plugin {ep!r} failed to load: RuntimeError: fake plugin " \
+           "exploded on import" in out
+
+
+def test_new_backend_with_a_name_too_long_writes_nothing(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    refused(capsys, ["new-backend", "a" * 300, str(tmp_path / "nb")], "InvalidArgument",
+            "NAME", "at most 64 characters")
+    assert not (tmp_path / "nb").exists()
+
+
+def test_a_reader_that_stops_early_gets_no_traceback() -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVCORE_")}
+    proc = subprocess.Popen([sys.executable, "-m", "kvcore.cli", "backends", "--json"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # before it writes: its first write meets a closed pipe
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) in (0, 141), err
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err
