@@ -491,6 +491,8 @@ class BoundPlan:
         if self.op is not Op.LOAD_LAYER:
             done = (run(hp, dp, None, s, False) if after is None
                     else follow(hp, dp, None, s, False, after))
+            if done is not None and not hasattr(done, "check"):
+                self._bad_completion(support, done)
             # a transfer another thread issues is its own event (one recorded on the stream
             # now would come before its work)
             event = done if _issued_later(done) else recorded_event(self.device, s)
@@ -499,6 +501,8 @@ class BoundPlan:
                               layers=self.num_layers)
         if layer is not None:
             done = run(hp, dp, layer, s, chained)
+            if done is not None and not hasattr(done, "check"):
+                self._bad_completion(support, done)
             event = recorded_event(self.device, s)
             return Submission({layer: event}, event,
                               [] if done is None else [(layer, done)])
@@ -517,9 +521,17 @@ class BoundPlan:
         for n in range(self.num_layers):
             done = run(hp, dp, n, s, n > 0)
             if done is not None:
+                if not hasattr(done, "check"):
+                    self._bad_completion(support, done)
                 completions.append((n, done))
             waits[n] = recorded_event(self.device, s)
         return Submission(waits, waits[self.num_layers - 1], completions)
+
+    def _bad_completion(self, support: OpSupport, done: object) -> None:
+        raise ContractViolation(
+            f"{self.context}: variant {support.variant!r}'s run() returned "
+            f"{type(done).__name__} ({done!r:.60}); expected None or a completion with "
+            "check() (kvcore.backend.Completion; docs/writing-a-backend.md)")
 
     def _template(self, support: OpSupport) -> TransferJob:
         """The job every submit of ``support`` runs, but for its indices, layer, stream and

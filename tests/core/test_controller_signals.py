@@ -215,3 +215,35 @@ def test_the_fault_wrapper_passes_a_signaled_loads_signals_through() -> None:
         for layer in range(LAYERS):
             t = dev.layers(kv)[layer]
             assert torch.equal(t[dst].view(torch.int16), t[src].view(torch.int16))
+
+
+class ReturnsANumber(SignaledReference):
+    """Runs every job right, then returns 42 instead of a completion or None."""
+
+    def run(self, job: Any) -> Any:
+        self.inner.run(job)
+        return 42
+
+
+@pytest.mark.parametrize("op", ["write", "load", "load_layer"])
+def test_a_run_that_returns_no_completion_is_named_a_contract_violation(op: str) -> None:
+    """Not "run() raised AttributeError" later, when its result is asked for check()."""
+    registry = reference_only()
+    ref = registry.get("reference").spec.capabilities
+    registry.register(BackendSpec(capabilities=attrs.evolve(ref, name="number", priority=50),
+                                  factory=ReturnsANumber))
+    dev, host = _pools(registry)
+    ctl = HiCacheController(dev, host, registry=registry, backend="number")
+    expected = r"run\(\) returned int \(42\); expected None or a completion with check\(\)"
+    if op == "write":
+        with pytest.raises(TransferFailed, match=expected) as err:
+            ctl.write(_pages(0, 1))
+        assert isinstance(err.value.cause, ContractViolation)
+        return
+    taken = ctl.allocator.alloc(PAGE)
+    if op == "load":
+        with pytest.raises(TransferFailed, match=expected):
+            ctl.load(taken, _pages(4, 1))
+    else:
+        with pytest.raises(ContractViolation, match=expected):
+            ctl.bound[(0, Op.LOAD_LAYER)].submit(taken, _pages(4, 1), layer=0)
