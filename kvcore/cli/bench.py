@@ -128,6 +128,9 @@ def run(args: argparse.Namespace) -> int:
         require_matplotlib()
     if args.merge:
         return _merge(args)
+    if args.time_limit is not None and not args.time_limit > 0:  # (NaN too)
+        raise InvalidArgument("--time-limit", "a positive number of seconds",
+                              str(args.time_limit))
     cases = _cases(args) if args.through != "controller" else []
     device = parse_device(args.device)
     registry = default_registry()

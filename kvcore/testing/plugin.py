@@ -82,17 +82,22 @@ def pytest_configure(config: pytest.Config) -> None:
     if (config.getoption("kvio_backend") is not None
             and config.args_source is not pytest.Config.ArgsSource.ARGS):
         config.args = [str(SUITE_PATH)]
+    if config.getoption("kvio_device") is not None:
+        settings(config)  # a device this machine lacks is one usage error, not one per case
 
 
 def settings(config: pytest.Config) -> Settings:
     """The session's backend, device and profile."""
     if _settings_key not in config.stash:
-        from kvcore.cli.common import default_device
+        from kvcore.cli.common import default_device, parse_device
 
         name = (config.getoption("kvio_backend") or config.getini("kvio_backend")
                 or DEFAULT_BACKEND)
         raw = config.getoption("kvio_device")
-        device = torch.device(raw) if raw else default_device()
+        try:  # (once, not as a failure of every case)
+            device = parse_device(raw, "--kvio-device") if raw else default_device()
+        except KVCoreError as exc:
+            raise pytest.UsageError(str(exc)) from exc
         if config.getoption("kvio_quick"):
             profile = QUICK
         elif config.getoption("kvio_full"):

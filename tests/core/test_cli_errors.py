@@ -469,3 +469,25 @@ def test_a_reader_that_stops_early_gets_no_traceback() -> None:
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=120) in (0, 141), err
     assert "Traceback" not in err and "BrokenPipeError" not in err, err
+
+
+@pytest.mark.parametrize("limit", ["0", "-5", "nan"])
+def test_bench_time_limit_must_be_positive(limit: str, capsys: pytest.CaptureFixture[str],
+                                           ) -> None:
+    refused(capsys, ["bench", *SMALL, "--time-limit", limit], "InvalidArgument",
+            "--time-limit", "a positive number of seconds")
+
+
+@pytest.mark.parametrize(("device", "says"), [
+    ("cuda", "torch sees no cuda device here"), ("bogus", "a torch device such as cpu")])
+def test_the_suite_refuses_a_device_once_as_a_usage_error(device: str, says: str,
+                                                          tmp_path: Path) -> None:
+    if device == "cuda" and torch.cuda.is_available():
+        pytest.skip("cuda is available here")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVCORE_")}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "kvcore.testing.plugin",
+                           "--kvio-backend", "reference", "--kvio-device", device],
+                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    assert proc.returncode == 4, proc.stdout + proc.stderr  # pytest's usage error
+    assert "--kvio-device: expected" in proc.stderr and says in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr and "failed" not in proc.stdout
