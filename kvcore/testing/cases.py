@@ -92,6 +92,8 @@ class Case:
     then: Op | None = None  # the load of a round trip
     unclaimed: str | None = None  # why the backend does not claim this case
     head_group_num: int = 1  # head groups of the host pool (layouts that split heads)
+    #: the test id of the case a randomised example was drawn from (what ``-k`` selects)
+    drawn_from: str | None = attrs.field(default=None, eq=False)
 
     @property
     def element_bytes(self) -> int:

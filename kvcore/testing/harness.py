@@ -192,7 +192,10 @@ def reproduction(env: Env, case: Case, rig: Rig | None = None) -> str:
         lines.append(f"  host_indices pages:   {_abbrev((rig.host_indices[::p] // p).tolist())}")
         lines.append(f"  device_indices pages: {_abbrev((rig.device_indices[::p] // p).tolist())}")
     lines.append(f"  rerun: pytest --kvio-backend {env.backend} --kvio-device {env.device} "
-                 f"--kvio-{env.profile} -k '{case.id}'")
+                 f"--kvio-{env.profile} -k '{case.drawn_from or case.id}'")
+    if case.drawn_from is not None:
+        lines.append("  (a randomised example: the rerun draws the same examples in the same "
+                     "order, this one among them)")
     return "\n".join(lines)
 
 

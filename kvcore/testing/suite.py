@@ -88,7 +88,8 @@ class TestRandomised:
                   d_dtype: torch.dtype, swapped: bool) -> None:
             case = attrs.evolve(kvio_case, n_pages=n, head_num=split[0], head_dim=split[1],
                                 order=order, host_index_dtype=h_dtype,
-                                device_index_dtype=d_dtype, swapped=swapped)
+                                device_index_dtype=d_dtype, swapped=swapped,
+                                drawn_from=kvio_case.id)
             harness.check_transfer(kvio_env, case)
 
         check()

@@ -167,3 +167,18 @@ def test_kvio_check_fails_a_backend_that_claims_nothing(
         assert main(["check", "claims_nothing", "--device", "cpu"]) == 1
     out = capsys.readouterr().out
     assert "claims_nothing: ran no case: its capabilities claim nothing the suite covers" in out
+
+
+def test_a_randomised_failure_s_rerun_selects_its_test(bad_backends: None) -> None:
+    """The rerun line of a randomised example names the pytest case it was drawn from (the
+    example's own id selects nothing), and running it fails that case again."""
+    keyword = "TestRandomised and write_back and mla and page_first"
+    result = run_suite("flipped_byte", "cpu", quick=True, extra=["-q", "--tb=short", "-k",
+                                                                 keyword])
+    [failure, *_] = result.failures
+    rerun = next(line for line in failure.message.splitlines() if "rerun: pytest" in line)
+    selected = rerun.split(" -k ")[1].strip("'")
+    assert failure.nodeid.endswith(f"[{selected}]"), (failure.nodeid, rerun)
+    again = run_suite("flipped_byte", "cpu", quick=True, extra=["-q", "--tb=short", "-k",
+                                                                selected])
+    assert [f.nodeid for f in again.failures] == [failure.nodeid]
