@@ -6,6 +6,7 @@ import attrs
 import torch
 
 from kvcore import BackendSpec, IndexSpec, Op, Residency, TransferJob
+from kvcore.capabilities import HostMemory
 from kvcore.errors import KernelError
 from kvcore.layout import canonical_view
 from kvcore.registry import Registry
@@ -113,8 +114,8 @@ class RaisesBare(_Delegate):
 
 def register_bad(registry: Registry) -> None:
     """Register the bad backends (flipped_byte, wrong_residency, no_bound_check,
-    forgets_signals, raises_bare) and correct ones that claim write-back only (write_only) or
-    submit a per-layer load as one job (signaled)."""
+    forgets_signals, raises_bare, claims_pinned) and correct ones that claim write-back only
+    (write_only) or submit a per-layer load as one job (signaled)."""
     ref = registry.get("reference").spec.capabilities
     plans = {
         "flipped_byte": (FlippedByte, ref.ops),
@@ -125,9 +126,12 @@ def register_bad(registry: Registry) -> None:
         "signaled": (Signaled, _signaled_ops(ref.ops)),
         "forgets_signals": (ForgetsSignals, _signaled_ops(ref.ops)),
         "raises_bare": (RaisesBare, ref.ops),
+        "claims_pinned": (_Delegate, ref.ops),  # declares pinned host memory, allocates plain
     }
     for name, (cls, ops) in plans.items():
         caps = attrs.evolve(ref, name=name, ops=ops, priority=-100, description=cls.__doc__)
+        if name == "claims_pinned":
+            caps = attrs.evolve(caps, host_memory=HostMemory.PINNED)
         registry.register(BackendSpec(
             capabilities=caps,
             factory=lambda device, cls=cls: cls(registry, device)))

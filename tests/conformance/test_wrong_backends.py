@@ -182,3 +182,15 @@ def test_a_randomised_failure_s_rerun_selects_its_test(bad_backends: None) -> No
     again = run_suite("flipped_byte", "cpu", quick=True, extra=["-q", "--tb=short", "-k",
                                                                 selected])
     assert [f.nodeid for f in again.failures] == [failure.nodeid]
+
+
+def test_a_misdeclared_host_memory_is_one_failure_not_one_per_case(bad_backends: None) -> None:
+    """Capabilities that say pinned over an allocator that gives plain memory: TestHostMemory
+    fails and says so; the transfer cases, which bind would refuse each, are skipped."""
+    result = run_suite("claims_pinned", "cpu", quick=True, extra=[
+        "-q", "--tb=short", "-k", "TestHostMemory or TestPageCounts and p1"])
+    assert [f.nodeid.split("::")[1] for f in result.failures] == ["TestHostMemory"]
+    assert "declare host_memory pinned, allocate_host returned plain memory" \
+        in result.failures[0].message
+    totals = result.totals()
+    assert totals["skipped"] > 0 and totals["passed"] == 0, totals
