@@ -408,7 +408,6 @@ def expected_variant(env: Env, case: Case, h: torch.Tensor, d: torch.Tensor) -> 
                  and v.device_index.residency is Residency.DEVICE), case.variant)
 
 
-@detached
 def skip_if_host_memory_is_misdeclared(env: Env) -> None:
     """Skip a transfer case when the backend's allocator contradicts its declared host
     memory: every transfer would be refused at bind for it, so TestHostMemory's one failure
@@ -421,6 +420,7 @@ def skip_if_host_memory_is_misdeclared(env: Env) -> None:
                     f"({env.host_memory_problem}; TestHostMemory fails for it)")
 
 
+@detached
 def check_transfer(env: Env, case: Case) -> None:
     """The differential check of one op: backend vs reference on identical pools."""
     skip_if_host_memory_is_misdeclared(env)
