@@ -16,7 +16,7 @@ import attrs
 import torch
 
 from kvcore.errors import InvalidArgument
-from kvcore.layout import Kind, Layout, Op, parse_enum
+from kvcore.layout import Kind, Layout, Op, layouts_for, parse_enum
 
 E = TypeVar("E", bound=enum.Enum)
 
@@ -152,6 +152,18 @@ class OpSupport:
     #: LOAD_LAYER only: a job whose ``layer`` is None moves every layer in one submission and
     #: returns a :class:`~kvcore.signals.LayerSignals` (single-layer jobs work as usual)
     layer_signals: bool = False
+
+    def __attrs_post_init__(self) -> None:
+        if self.layer_signals and self.op is not Op.LOAD_LAYER:
+            raise InvalidArgument("layer_signals", f"False for {self.op.value} (only "
+                                  "load_layer takes one job for every layer with signals)",
+                                  "True")
+        # (a layout one of the kinds lacks is allowed: it is simply never asked for)
+        if not any(layout in layouts_for(kind) for kind in self.kinds
+                   for layout in self.layouts):
+            kinds = ", ".join(sorted(k.value for k in self.kinds))
+            raise InvalidArgument("layouts", f"at least one layout that exists for {kinds}",
+                                  ", ".join(sorted(lay.value for lay in self.layouts)))
 
     def covers(self, op: Op, kind: Kind, layout: Layout) -> bool:
         """Whether this variant serves ``op`` for ``kind`` and ``layout``."""

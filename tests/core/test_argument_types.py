@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvcore.capabilities import HostMemory
+from kvcore.capabilities import HostMemory, op_support
 from kvcore.controller import HiCacheController
 from kvcore.errors import BackendUnavailable, InvalidArgument
 from kvcore.layout import Kind, Layout, Op
@@ -220,3 +220,19 @@ def test_a_host_pool_for_a_device_torch_cannot_serve_is_a_typed_error() -> None:
     with pytest.raises((BackendUnavailable, InvalidArgument)):
         allocate_host_pool("mha", "page_first", 2, 8, 2, 8, torch.float32, P, "cuda",
                            registry=Registry({"KVCORE_PLUGINS": ""}))
+
+
+@pytest.mark.parametrize(("argument", "declare"), [
+    ("layer_signals", lambda: op_support("write_back", "mha", "page_first", "host", "device",
+                                         layer_signals=True)),
+    ("layer_signals", lambda: op_support("load_all", "mla", "page_first", "host", "device",
+                                         layer_signals=True)),
+    ("layouts", lambda: op_support("load_layer", "mla", "page_head", "host", "device")),
+])
+def test_impossible_declarations_are_refused_where_they_are_made(
+        argument: str, declare: Callable[[], Any]) -> None:
+    with pytest.raises(InvalidArgument, match=rf"^{argument}: expected"):
+        declare()
+    # a layout only some of the kinds have is fine: it is never asked of the others
+    op_support("load_layer", ("mha", "mla"), ("page_head", "page_first"), "host", "device",
+               layer_signals=True)
