@@ -68,12 +68,12 @@ def test_a_time_limit_stops_before_the_next_case() -> None:
 def test_cli_time_limit_reports_and_exits_nonzero(tmp_path: Path,
                                                   capsys: pytest.CaptureFixture) -> None:
     out = tmp_path / "b.json"
-    assert main(["bench", *SMALL, "--time-limit", "0", "--json", str(out)]) == 1
+    assert main(["bench", *SMALL, "--time-limit", "1e-9", "--json", str(out)]) == 1
     captured = capsys.readouterr()
     assert "stopped early" in captured.err and "INCOMPLETE" in captured.out
     doc = json.loads(out.read_text())
     validate(doc)
-    assert doc["rows"] == [] and doc["not_run"] > 0 and "--time-limit 0.0" in doc["command"]
+    assert doc["rows"] == [] and doc["not_run"] > 0 and "--time-limit 1e-09" in doc["command"]
 
 
 def test_sigterm_during_the_run_becomes_an_incomplete_report(
@@ -132,7 +132,7 @@ def test_sigterm_during_the_controller_queues_keeps_every_row_measured(
 
 def test_a_time_limit_covers_the_controller_queues(tmp_path: Path) -> None:
     out = tmp_path / "b.json"
-    assert main(["bench", *CONTROLLER, "--quiet", "--time-limit", "0",
+    assert main(["bench", *CONTROLLER, "--quiet", "--time-limit", "1e-9",
                  "--json", str(out)]) == 1
     doc = json.loads(out.read_text())
     assert doc["controller_rows"] == [] and doc["controller_not_run"] == 4
@@ -227,7 +227,7 @@ def test_merge_refuses_runs_of_different_machines_and_foreign_files(tmp_path: Pa
 def _cut_short(tmp_path: Path, name: str, *extra: str) -> Path:
     """A run of SMALL (+ extra) whose time limit stops it before its first case."""
     path = tmp_path / f"{name}.json"
-    assert main(["bench", *SMALL, "--quiet", "--time-limit", "0", "--json", str(path),
+    assert main(["bench", *SMALL, "--quiet", "--time-limit", "1e-9", "--json", str(path),
                  *extra]) == 1
     return path
 
