@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from kvcore.capabilities import Unavailable
-from kvcore.cli.common import parse_device
+from kvcore.cli.common import parse_device, require_backend
 from kvcore.errors import NO_PLUGIN_HINT, InvalidArgument
 from kvcore.layout import Kind, Layout, Op
 from kvcore.plan import dtype_name
@@ -118,13 +118,26 @@ def _window(low: int, high: int | None) -> str:
 def run(args: argparse.Namespace) -> int:
     registry = default_registry()
     if args.explain:
+        if args.backend is not None:
+            require_backend(registry, args.backend, "--backend")
         return _explain(args, registry)
+    ignored = [f"--{name.replace('_', '-')}" for name, default in EXPLAIN_DEFAULTS
+               if getattr(args, name) != default]
+    if ignored:  # they describe a request: without --explain they would be dropped unsaid
+        raise InvalidArgument(ignored[0], "--explain with it (it describes the request to "
+                              "explain)", " ".join(ignored))
     facts = backend_facts(registry)
     print(json.dumps(facts, indent=2) if args.json else _table(facts))
     if not facts:  # kvcore without any plugin: say what to install
         print(f"kvio backends: no backend is installed: {NO_PLUGIN_HINT}", file=sys.stderr)
         return 1
     return 0
+
+
+#: the options of a request --explain resolves, with their defaults
+EXPLAIN_DEFAULTS = (("op", "write_back"), ("kind", "mha"), ("layout", "page_first"),
+                    ("dtype", "bfloat16"), ("element_bytes", 1024), ("device", None),
+                    ("backend", None))
 
 
 def _explain(args: argparse.Namespace, registry: Registry) -> int:

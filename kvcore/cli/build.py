@@ -11,7 +11,7 @@ import argparse
 import time
 from typing import Any
 
-from kvcore.cli.common import parse_device
+from kvcore.cli.common import parse_device, require_backend
 from kvcore.registry import default_registry
 
 
@@ -28,6 +28,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     registry = default_registry()
     device = parse_device(args.device)
+    for name in args.backend or []:  # a typo is a usage error, not a failed build
+        require_backend(registry, name, "--backend")
     names = args.backend or [r.name for r in registry.backends()
                              if registry.availability(r.name)
                              and r.spec.capabilities.supports_device(device)]

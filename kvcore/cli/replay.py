@@ -15,10 +15,17 @@ from typing import Any
 
 import torch
 
-from kvcore.cli.common import check_fits, check_output_path, parse_device, sigterm_interrupts
+from kvcore.cli.common import (
+    check_fits,
+    check_output_path,
+    parse_device,
+    require_backend,
+    sigterm_interrupts,
+)
 from kvcore.controller import WritePolicy
 from kvcore.errors import InvalidArgument
 from kvcore.layout import Kind, Layout
+from kvcore.registry import default_registry
 from kvcore.replay import ReplayConfig, ReplayStats, WorkloadConfig, run_replay
 
 
@@ -110,6 +117,8 @@ def config_from_args(args: argparse.Namespace) -> ReplayConfig:
     if args.time_limit is not None and not args.time_limit > 0:  # (NaN too)
         raise InvalidArgument("--time-limit", "a positive number of seconds",
                               str(args.time_limit))
+    if args.backend is not None:
+        require_backend(default_registry(), args.backend, "--backend")
     if args.kind == "mla" and args.heads not in (None, 1):
         raise InvalidArgument("--heads", "1 or unset for --kind mla (one latent vector per "
                               "token; --head-dim sets its size)", str(args.heads))

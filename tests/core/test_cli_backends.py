@@ -127,7 +127,8 @@ def test_explain_forced_unknown_backend_fails_cleanly(
         capsys: pytest.CaptureFixture[str]) -> None:
     rc, out, err = _kvio(capsys, "--explain", "--device", "cpu", "--backend", "nosuch")
     assert rc == 2 and out == ""
-    assert err.startswith("kvio backends: NoBackend:") and "nosuch" in err
+    assert err.startswith("kvio backends: InvalidArgument: --backend: expected the name of "
+                          "an installed backend") and "'nosuch'" in err
 
 
 def test_explain_unsupported_combination_fails_cleanly(

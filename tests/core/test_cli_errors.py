@@ -491,3 +491,19 @@ def test_the_suite_refuses_a_device_once_as_a_usage_error(device: str, says: str
     assert proc.returncode == 4, proc.stdout + proc.stderr  # pytest's usage error
     assert "--kvio-device: expected" in proc.stderr and says in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr and "failed" not in proc.stdout
+
+
+@pytest.mark.parametrize("argv", [["build", "--backend", "nope"],
+                                  ["replay", *REPLAY_SMALL, "--backend", "nope"],
+                                  ["backends", "--explain", "--backend", "nope"]])
+def test_an_unknown_backend_name_is_one_usage_error_everywhere(
+        argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    refused(capsys, argv, "InvalidArgument", "--backend", "expected the name of an installed "
+            "backend", "'nope'")
+
+
+@pytest.mark.parametrize("argv", [["--backend", "reference"], ["--op", "load_all"],
+                                  ["--element-bytes", "64"]])
+def test_backends_refuses_request_options_without_explain(
+        argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    refused(capsys, ["backends", *argv], "InvalidArgument", argv[0], "--explain with it")
