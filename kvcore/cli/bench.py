@@ -119,7 +119,25 @@ def command_line(args: argparse.Namespace) -> str:
     return " ".join(shlex.quote(w) for w in words)
 
 
+#: what a sweep's or a bench's own checks call a value -> the option that sets it
+OPTION_OF = {**{name: f"--{opt.replace('_', '-')}" for opt, field in AXES.items()
+                for name in (opt, field)},
+             **{name: f"--{name.replace('_', '-')}" for name in
+                ("warmup", "repeat", "reference_repeat", "retime", "seed")}}
+
+
 def run(args: argparse.Namespace) -> int:
+    """``kvio bench``; a refused value names the option that set it."""
+    try:
+        return _run(args)
+    except InvalidArgument as exc:
+        option = OPTION_OF.get(exc.argument)
+        if option is None:
+            raise
+        raise InvalidArgument(option, exc.expected, exc.got, exc.context) from None
+
+
+def _run(args: argparse.Namespace) -> int:
     for option in ("json", "markdown", "plot"):  # before the sweep, not after it
         check_output_path(f"--{option}", getattr(args, option))
     if args.plot:

@@ -331,9 +331,19 @@ def test_without_strict_a_broken_backend_by_name_is_one_line(
 
 # ------------------------------------------------------------------- page_size
 
-def test_bench_page_size_error_names_page_size(capsys: pytest.CaptureFixture[str]) -> None:
-    refused(capsys, ["bench", *SMALL, "--page-size", "0"], "InvalidArgument",
-            "InvalidArgument: page_size: ")
+@pytest.mark.parametrize(("argv", "option"), [
+    (["--page-size", "0"], "--page-size"), (["--warmup", "-1"], "--warmup"),
+    (["--layout", "nope"], "--layout"), (["--total-pages", "0"], "--total-pages"),
+    (["--head-group-num", "0"], "--head-group-num"),
+    (["--reference-repeat", "0"], "--reference-repeat")])
+def test_bench_errors_name_the_option(argv: list[str], option: str,
+                                      capsys: pytest.CaptureFixture[str]) -> None:
+    small = [a for a in SMALL if a not in ("--layout", "page_first")] if "--layout" in argv \
+        else SMALL
+    args = dict(zip(small[::2], small[1::2], strict=True))
+    args.update(dict(zip(argv[::2], argv[1::2], strict=True)))
+    refused(capsys, ["bench", *[w for kv in args.items() for w in kv]], "InvalidArgument",
+            f"InvalidArgument: {option}: expected")
 
 
 @pytest.mark.parametrize("option", ["--layers", "--heads", "--host-pages", "--device-pages",
