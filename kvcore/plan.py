@@ -399,16 +399,17 @@ class BoundPlan:
             h, d = self.check(host_indices, device_indices, host_trusted=host_trusted)
         else:
             h, d = self._check_form(host_indices, device_indices)
-        return self._issue(h, d, layer, stream, chained, after)
-
-    def _issue(self, h: torch.Tensor, d: torch.Tensor, layer: int | None, stream: Any,
-               chained: bool = False, after: Any = None) -> Submission:
-        """:meth:`submit` of tensors and a layer already checked (the controller's, which
-        ran :meth:`check` itself): only the streams are looked at."""
         if stream is not None and stream is not self._stream_seen:
             self._stream_seen = self._check_stream("stream", stream)
         if after is not None and after is not self._stream_seen:
             self._check_stream("after", after)
+        return self._issue(h, d, layer, stream, chained, after)
+
+    def _issue(self, h: torch.Tensor, d: torch.Tensor, layer: int | None, stream: Any,
+               chained: bool = False, after: Any = None) -> Submission:
+        """:meth:`submit` of tensors, a layer and streams already checked (the
+        controller's: it ran :meth:`check` itself, and its streams are its own and the
+        device's current one)."""
         support = self._routes[(h.is_cpu, d.is_cpu)]
         s = stream if stream is not None else current_stream(self.device)
         device = self.device
