@@ -165,9 +165,12 @@ class IndexRing:
             return None
         # the pinned slot still holds what was copied: the values must be equal, whatever
         # was written into the tensor since (through torch or a NumPy view)
-        slot, src = self._typed[dst.dtype][0][first:first + n], indices.numpy()
-        if not (slot.tobytes() == src.tobytes() if slot.dtype == src.dtype
-                else np.array_equal(slot, src)):
+        slot = self._typed[dst.dtype][0][first:first + n]
+        if dst.dtype is indices.dtype:  # (staged contiguous: its bytes, without NumPy)
+            same = slot.tobytes() == ctypes.string_at(indices.data_ptr(), slot.nbytes)
+        else:
+            same = bool(np.array_equal(slot, indices.numpy()))
+        if not same:
             return None
         self._segments[segment].unsealed += 1
         return dst, segment

@@ -7,6 +7,7 @@ enqueued); device-resident values are the kernels' to refuse (see :mod:`kvcore.p
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import threading
 import weakref
@@ -208,6 +209,10 @@ class CheckedTensors:
         if (values is not None and tensor.data_ptr() == entry[4]
                 and tensor.is_contiguous() and tensor.numel() == values.size):
             return values.tobytes() == entry[2]
+        if tensor.is_contiguous():  # (its bytes without a NumPy array: a submit per layer)
+            nbytes = len(entry[2])
+            return (tensor.numel() * tensor.element_size() == nbytes
+                    and ctypes.string_at(tensor.data_ptr(), nbytes) == entry[2])
         return tensor.numpy().tobytes() == entry[2]
 
     def __len__(self) -> int:

@@ -197,11 +197,22 @@ def show(counted: dict[str, int]) -> str:
     return ", ".join(f"{name} {n}" for name, n in sorted(counted.items())) or "none"
 
 
-def loop(registry: Registry, op: str, pages: int, seconds: float) -> None:
-    """``op`` calls back to back for a sampling profiler."""
+def loop(registry: Registry, op: str, pages: int, seconds: float, current: NullStream,
+         ) -> None:
+    """``op`` calls back to back for a sampling profiler (``per_layer``: 32 submits of one
+    layer each with the same CPU index tensors, as kvcore-sglang's direct io backend)."""
     ctl = controller(registry, "mha", "page_first", pages)
     d = torch.arange(pages * P, device=DEVICE)
     end = time.perf_counter() + seconds
+    if op == "per_layer":
+        from kvcore.layout import Op
+
+        bound = ctl.bound[(0, Op.LOAD_LAYER)]
+        h, dc = torch.arange(pages * P), torch.arange(pages * P, 2 * pages * P)
+        while time.perf_counter() < end:
+            for layer in range(LAYERS):
+                bound.submit(h, dc, layer=layer, stream=current)
+        return
     if op == "write":
         while time.perf_counter() < end:
             for _ in range(4):
@@ -220,7 +231,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--calls", type=int, default=2000)
     ap.add_argument("--pages", type=int, nargs="*", default=[1, 4, 16, 64])
-    ap.add_argument("--loop", choices=("write", "load"))
+    ap.add_argument("--loop", choices=("write", "load", "per_layer"))
     ap.add_argument("--seconds", type=float, default=8.0)
     ap.add_argument("--per-layer", action="store_true",
                     help="time per-layer submits as kvcore-sglang's hooks make them instead")
@@ -241,7 +252,7 @@ def main() -> None:
                     print(f"| {kind} | {layout} | {pages} | {cells} |", flush=True)
             return
         if args.loop:
-            loop(registry, args.loop, args.pages[0], args.seconds)
+            loop(registry, args.loop, args.pages[0], args.seconds, current)
             return
         if args.per_layer:
             print("| pages | indices on | one submit(layer=i) us |")

@@ -43,6 +43,12 @@ def test_a_remembered_tensor_counts_while_it_holds_the_same_values() -> None:
     t.data = t.to(torch.int32)  # same values, another dtype
     assert t not in seen
     assert [1, 2] not in seen and None not in seen
+    seen.add(t)
+    t.resize_(2)  # fewer bytes than remembered: compared by size first, never read past
+    assert t not in seen
+    seen.add(t)
+    t.resize_(4)  # more (the first two the same)
+    assert t not in seen
 
 
 def test_a_tensor_remembered_with_the_array_it_was_made_from_is_judged_the_same_way() -> None:
