@@ -67,6 +67,13 @@ def check_index_tensor(name: str, t: object, context: str = "") -> torch.Tensor:
         raise TensorMismatch(name, "dtype int32 or int64", describe_tensor(t), context)
     if t.dim() != 1:
         raise TensorMismatch(name, "a 1-D tensor", describe_tensor(t), context)
+    if t.layout is not torch.strided or (
+            type(t) is not torch.Tensor
+            and type(t).__torch_dispatch__ is not torch.Tensor.__torch_dispatch__):
+        # (sparse tensors and wrapper subclasses have no memory a check or a kernel can read)
+        raise TensorMismatch(name, "a dense (strided) torch.Tensor",
+                             f"{describe_tensor(t)}, {type(t).__name__} of layout {t.layout}",
+                             context)
     return t
 
 

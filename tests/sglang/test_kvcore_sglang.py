@@ -11,6 +11,7 @@ import importlib.metadata
 import logging
 import pkgutil
 
+import numpy as np
 import pytest
 import torch
 
@@ -473,3 +474,71 @@ def test_a_pool_missing_an_attribute_declines(original_calls, caplog) -> None:
         with pytest.raises(AttributeError):
             _call_both(host, dev)  # SGLang's original needs it too
     _assert_declined(caplog, original_calls, "is not shaped as SGLang 0.5.23's", 0)
+
+
+# -- found by a misuse sweep ---------------------------------------------------------------------
+
+
+def test_a_destroyed_host_pool_is_decided_again_and_its_old_buffer_untouched(
+        original_calls: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """After destroy() (kv_buffer None) the cached route must not keep writing into the
+    buffer the pool let go: the pool is decided again, declines, and SGLang's own method
+    runs (and fails as it does without kvcore)."""
+    dev, host = mha_pools("page_first", torch.bfloat16, 4)
+    seen = count_transfers(monkeypatch)
+    hi, di = torch.arange(8, 16), torch.arange(4, 12)
+    host.backup_from_device_all_layer(dev, hi, di, "kernel")
+    assert seen == [Op.WRITE_BACK]
+    old = host.kv_buffer
+    before = old.clone()
+    host.destroy()
+    with pytest.raises((TypeError, AttributeError)):  # SGLang's own, on its None buffer
+        host.backup_from_device_all_layer(dev, hi, di, "kernel")
+    assert seen == [Op.WRITE_BACK]  # kvcore moved nothing more
+    assert torch.equal(bytes_of(old), bytes_of(before))
+
+
+@pytest.mark.parametrize("layer", [np.int64(1), torch.tensor(1), np.int32(1)])
+def test_an_integer_layer_of_another_type_is_routed_like_an_int(
+        layer: object, original_calls: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    dev, host = mha_pools("page_first", torch.bfloat16, 4)
+    seen = count_transfers(monkeypatch)
+    idx = torch.arange(4, 8)
+    host.load_to_device_per_layer(dev, idx, idx, layer, "kernel")
+    assert seen == [Op.LOAD_LAYER] and original_calls == []
+
+
+@pytest.mark.parametrize("layer", [None, 1.0, "1", True])
+def test_a_layer_that_is_no_integer_is_a_typed_error(layer: object,
+                                                     original_calls: list[str]) -> None:
+    dev, host = mha_pools("page_first", torch.bfloat16, 4)
+    idx = torch.arange(4, 8)
+    with pytest.raises(InvalidArgument, match=r"^layer_id: expected an int"):
+        host.load_to_device_per_layer(dev, idx, idx, layer, "kernel")
+    assert original_calls == []
+
+
+def test_sparse_or_wrapper_index_tensors_are_a_typed_error() -> None:
+    from torch.testing._internal.logging_tensor import LoggingTensor
+
+    dev, host = mha_pools("page_first", torch.bfloat16, 4)
+    before = host.kv_buffer.clone()
+    hi, di = torch.arange(8, 16), torch.arange(4, 12)
+    for h, d in ((hi.to_sparse(), di), (hi, di.to_sparse()), (LoggingTensor(hi), di)):
+        with pytest.raises(kvcore.errors.TensorMismatch, match="a dense \\(strided\\)"):
+            host.backup_from_device_all_layer(dev, h, d, "kernel")
+    assert torch.equal(bytes_of(host.kv_buffer), bytes_of(before))
+
+
+def test_the_decision_is_per_pool_and_kind_and_a_stand_in_without_weakrefs_declines() -> None:
+    _dev, host = mha_pools("page_first", torch.bfloat16, 4)
+    assert isinstance(hooks.route_for(host, Kind.MHA), hooks.Routed)
+    assert isinstance(hooks.route_for(host, Kind.MLA), hooks.Decline)  # not the MHA one
+
+    class Slotted:
+        __slots__ = ("kv_buffer",)
+
+    stand_in = Slotted()
+    stand_in.kv_buffer = torch.zeros(4)
+    found = hooks.route_for(stand_in, Kind.MHA)
+    assert isinstance(found, hooks.Decline)

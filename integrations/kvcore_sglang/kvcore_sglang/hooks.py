@@ -30,6 +30,7 @@ from kvcore.layout import layouts_for
 from kvcore.plan import BoundPlan, TransferPlan
 from kvcore.registry import default_registry, make_request
 from kvcore.streams import current_stream
+from kvcore.validate import as_layer
 
 logger = logging.getLogger("kvcore_sglang")
 
@@ -99,9 +100,9 @@ def _transfer(routed: Routed, op: Op, host_indices: torch.Tensor, device_indices
 
 # -- deciding, once per host pool ---------------------------------------------------------------
 
-#: id(host pool) -> (weak reference to it, decision); keyed by identity, so a pool class that
-#: defines __eq__ without __hash__ is cached too, and an entry leaves with its pool
-_cache: dict[int, tuple[weakref.ref[Any], Routed | Decline]] = {}
+#: (id(host pool), kind) -> (weak reference to it, decision); keyed by identity, so a pool
+#: class that defines __eq__ without __hash__ is cached too, and an entry leaves with its pool
+_cache: dict[tuple[int, Kind], tuple[weakref.ref[Any], Routed | Decline]] = {}
 _cache_lock = threading.Lock()
 _logged: set[str] = set()
 
@@ -121,16 +122,27 @@ def reset() -> None:
 
 
 def route_for(host: Any, kind: Kind) -> Routed | Decline:
-    """The cached decision for ``host`` (an SGLang MHA or MLA host pool)."""
-    key = id(host)
+    """The cached decision for ``host`` (an SGLang MHA or MLA host pool) as ``kind``. A
+    decision to route holds while the pool keeps the host buffer it wrapped: once
+    ``kv_buffer`` is another tensor or None (``destroy()``), the pool is decided again and
+    no transfer goes to the buffer it let go."""
+    key = (id(host), kind)
     with _cache_lock:
         entry = _cache.get(key)
         if entry is not None and entry[0]() is host:
-            return entry[1]
+            found = entry[1]
+            if (not isinstance(found, Routed)
+                    or getattr(host, "kv_buffer", None) is found.host_pool.buffer):
+                return found
         found = _decide(host, kind)
-        def forget(ref: weakref.ref[Any], key: int = key) -> None:
+
+        def forget(ref: weakref.ref[Any], key: tuple[int, Kind] = key) -> None:
             _forget(key, ref)
-        ref = weakref.ref(host, forget)
+        try:
+            ref = weakref.ref(host, forget)
+        except TypeError:  # (a stand-in without __weakref__: its id could be reused)
+            return Decline(f"{type(host).__name__} cannot be weakly referenced, and kvcore "
+                           "caches its decision per pool only while the pool lives")
         _cache[key] = (ref, found)
         if isinstance(found, Routed):
             _log_once(logging.INFO, f"kvcore-sglang: {type(host).__name__} routed through "
@@ -138,7 +150,7 @@ def route_for(host: Any, kind: Kind) -> Routed | Decline:
         return found
 
 
-def _forget(key: int, ref: weakref.ref[Any]) -> None:
+def _forget(key: tuple[int, Kind], ref: weakref.ref[Any]) -> None:
     # a GC callback: no lock (it may run while this thread holds it); dict ops are atomic
     entry = _cache.get(key)
     if entry is not None and entry[0] is ref:
@@ -311,7 +323,14 @@ def load_to_device_per_layer(original: Callable[..., Any], kind: Kind, host: Any
                              device_pool: Any, host_indices: torch.Tensor,
                              device_indices: torch.Tensor, layer_id: int, io_backend: str,
                              *, is_draft: bool = False) -> Any:
-    """SGLang's ``load_to_device_per_layer`` (host -> device, one layer)."""
+    """SGLang's ``load_to_device_per_layer`` (host -> device, one layer). ``layer_id`` is an
+    integer (a NumPy one or a 0-d tensor counts), else InvalidArgument naming it."""
+    if type(layer_id) is not int:
+        try:
+            layer_id = as_layer(layer_id)
+        except InvalidArgument:
+            raise InvalidArgument("layer_id", "an int (a layer of the pool)",
+                                  repr(layer_id)) from None
     route = _call_route(host, kind, io_backend)
     if isinstance(route, Decline) or is_draft or not _owns_layer(route, layer_id):
         level = logging.INFO
@@ -320,7 +339,8 @@ def load_to_device_per_layer(original: Callable[..., Any], kind: Kind, host: Any
         elif is_draft:
             reason = "draft layer load (is_draft=True)"
         else:
-            reason = f"layer {layer_id} is not one of the pool's layers (SGLang skips it)"
+            reason = (f"layer {layer_id} is not one of the pool's layers [0, "
+                      f"{route.host_pool.geometry.num_layers}) (SGLang skips it)")
         _log_once(level, f"kvcore-sglang: load_to_device_per_layer runs SGLang's own "
                          f"kernel: {reason}")
         return original(host, device_pool, host_indices, device_indices, layer_id, io_backend,
@@ -336,4 +356,4 @@ def _call_route(host: Any, kind: Kind, io_backend: str) -> Routed | Decline:
 
 
 def _owns_layer(route: Routed, layer_id: int) -> bool:
-    return isinstance(layer_id, int) and 0 <= layer_id < route.host_pool.geometry.num_layers
+    return 0 <= layer_id < route.host_pool.geometry.num_layers
