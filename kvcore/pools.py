@@ -240,11 +240,9 @@ class SlotAllocator:
         n = pages.size
         if n == 0:
             return
-        if n > 1:
-            ordered = np.sort(pages)
-            if np.count_nonzero(ordered[1:] == ordered[:-1]):
-                raise AllocatorError(f"{name}: double free, the same page appears twice in "
-                                     "one free() call; nothing was freed")
+        if n > 1 and len(set(pages.tolist())) != n:  # (a set: half a sort's time here)
+            raise AllocatorError(f"{name}: double free, the same page appears twice in "
+                                 "one free() call; nothing was freed")
         if in_use is not None:
             why = in_use(pages)
             if why is not None:
@@ -294,10 +292,12 @@ class SlotAllocator:
             check_cpu_indices(name, t, self.size, page_size=self.page_size)  # InvalidIndices
         a = t.numpy() if t.is_contiguous() else t.contiguous().numpy()
         pages = a[::self.page_size] // self.page_size
-        if checked and pages.size and (int(pages.min()) < 0
-                                       or int(pages.max()) >= self.num_pages):
-            # vouched for, yet not of this pool: never index the page tables with it
-            check_cpu_indices(name, t, self.size, page_size=self.page_size)
+        if checked and pages.size:
+            # vouched for, yet not of this pool: never index the page tables with it (Python
+            # on the page list: a NumPy reduction costs a microsecond per call here)
+            listed = pages.tolist()
+            if min(listed) < 0 or max(listed) >= self.num_pages:
+                check_cpu_indices(name, t, self.size, page_size=self.page_size)
         return pages
 
 
