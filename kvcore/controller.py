@@ -300,10 +300,9 @@ class HiCacheController:
         if h.is_cpu:
             page = self.allocator.first_free_page(h, checked=True, name="host_indices")
             if page is not None:
-                P = self.allocator.page_size
                 raise InvalidIndices("host_indices", "pages allocated from this controller's "
-                                     "allocator", f"page {page} (slots {page * P}.."
-                                     f"{(page + 1) * P - 1}), which is free")
+                                     "allocator", f"{self.allocator.describe_page(page)}, "
+                                     "which is free")
 
     def _submit(self, op: Op, stream: Any, h: torch.Tensor, d: torch.Tensor,
                 ) -> list[Submission]:

@@ -355,11 +355,11 @@ class BoundPlan:
         wants them, on the current stream. A caller that submits the same indices many times
         places them once; its submits then move nothing. Placing device-resident indices for
         :attr:`support` may copy them to the CPU, which waits for the device."""
+        check_index_tensor("host_indices", host_indices, self._context)
+        check_index_tensor("device_indices", device_indices, self._context)
         if support is None:
-            support = self.variant_for(host_indices, device_indices)
+            support = self._routes[(host_indices.is_cpu, device_indices.is_cpu)]
         else:
-            check_index_tensor("host_indices", host_indices, self._context)
-            check_index_tensor("device_indices", device_indices, self._context)
             check_instance("support", support, OpSupport, "one of the plan's OpSupport",
                            self._context)
         return (place(host_indices, support.host_index, self.device),
@@ -490,10 +490,8 @@ class BoundPlan:
             self._fence.order(s, after)
             after = None
         if self.op is not Op.LOAD_LAYER:
-            done = (run(hp, dp, None, s, False) if after is None
-                    else follow(hp, dp, None, s, False, after))
-            if done is not None and not hasattr(done, "check"):
-                self._bad_completion(support, done)
+            done = self._completion(support, run(hp, dp, None, s, False) if after is None
+                                    else follow(hp, dp, None, s, False, after))
             # a transfer another thread issues is its own event (one recorded on the stream
             # now would come before its work)
             event = done if _issued_later(done) else recorded_event(self.device, s)
@@ -501,9 +499,7 @@ class BoundPlan:
                               one=event if self.op is Op.LOAD_ALL else None,
                               layers=self.num_layers)
         if layer is not None:
-            done = run(hp, dp, layer, s, chained)
-            if done is not None and not hasattr(done, "check"):
-                self._bad_completion(support, done)
+            done = self._completion(support, run(hp, dp, layer, s, chained))
             event = recorded_event(self.device, s)
             return Submission({layer: event}, event,
                               [] if done is None else [(layer, done)])
@@ -520,15 +516,17 @@ class BoundPlan:
         waits: dict[int, Any] = {}
         completions: list[tuple[int | None, Any]] = []
         for n in range(self.num_layers):
-            done = run(hp, dp, n, s, n > 0)
+            done = self._completion(support, run(hp, dp, n, s, n > 0))
             if done is not None:
-                if not hasattr(done, "check"):
-                    self._bad_completion(support, done)
                 completions.append((n, done))
             waits[n] = recorded_event(self.device, s)
         return Submission(waits, waits[self.num_layers - 1], completions)
 
-    def _bad_completion(self, support: OpSupport, done: object) -> None:
+    def _completion(self, support: OpSupport, done: Any) -> Any:
+        """What a runner returned, where it is None or a completion (has ``check()``), else
+        ContractViolation naming the variant."""
+        if done is None or hasattr(done, "check"):
+            return done
         raise ContractViolation(
             f"{self.context}: variant {support.variant!r}'s run() returned "
             f"{type(done).__name__} ({done!r:.60}); expected None or a completion with "

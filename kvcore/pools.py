@@ -23,7 +23,13 @@ from kvcore.layout import (
     shape_names,
     size_from_shape,
 )
-from kvcore.validate import check_cpu_indices, check_index_tensor, describe_tensor, is_int
+from kvcore.validate import (
+    check_cpu_indices,
+    check_index_tensor,
+    check_positive_int,
+    describe_tensor,
+    is_int,
+)
 
 
 def _pointer_table(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
@@ -110,8 +116,7 @@ class DevicePool:
         for name, value in (("num_layers", num_layers), ("size", size),
                             ("head_num", head_num), ("head_dim", head_dim),
                             ("page_size", page_size)):
-            if not is_int(value) or value <= 0:
-                raise InvalidArgument(name, "a positive int", repr(value))
+            check_positive_int(name, value)
         if not isinstance(dtype, torch.dtype):
             raise InvalidArgument("dtype", "a torch.dtype", repr(dtype))
         shape = (int(size), int(head_num), int(head_dim))
@@ -175,8 +180,7 @@ class SlotAllocator:
     """
 
     def __init__(self, size: int, page_size: int) -> None:
-        if not is_int(page_size) or page_size <= 0:
-            raise InvalidArgument("page_size", "a positive int", repr(page_size))
+        check_positive_int("page_size", page_size)
         if not is_int(size) or size <= 0 or size % page_size:
             raise InvalidArgument("size", f"a positive int multiple of page_size {page_size}",
                                   repr(size))
@@ -252,14 +256,17 @@ class SlotAllocator:
             held = taken[pages]
             if np.count_nonzero(held) != n:
                 page = int(pages[np.flatnonzero(~held)[0]])
-                raise AllocatorError(f"{name}: page {page} (slots {page * self.page_size}.."
-                                     f"{(page + 1) * self.page_size - 1}) is not allocated: "
+                raise AllocatorError(f"{name}: {self.describe_page(page)} is not allocated: "
                                      "freed already (a double free) or never handed out; "
                                      "nothing was freed")
             taken[pages] = False
             top = self._top
             self._free[top:top + n] = pages[::-1]
             self._top = top + n
+
+    def describe_page(self, page: int) -> str:
+        """``page N (slots A..B)``: a page and its token slots, for messages."""
+        return f"page {page} (slots {page * self.page_size}..{(page + 1) * self.page_size - 1})"
 
     def is_allocated(self, indices: torch.Tensor) -> bool:
         """Whether every page of ``indices`` is allocated (``indices`` is value-checked)."""
@@ -334,8 +341,7 @@ class HostPool:
         lay = parse_enum(Layout, layout, "layout")
         if not isinstance(buffer, torch.Tensor):
             raise TensorMismatch("buffer", "a torch.Tensor", type(buffer).__name__)
-        if not is_int(page_size) or page_size <= 0:
-            raise InvalidArgument("page_size", "a positive int", repr(page_size))
+        check_positive_int("page_size", page_size)
         size = size_from_shape(tuple(buffer.shape), k, lay, page_size)
         try:
             g = Geometry(k, lay, num_layers, size, head_num, head_dim, page_size,

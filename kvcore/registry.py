@@ -74,7 +74,7 @@ from kvcore.layout import (
 from kvcore.plan import TransferPlan, TransferRequest
 from kvcore.pools import HostPool
 from kvcore.streams import resolve_device
-from kvcore.validate import is_int
+from kvcore.validate import check_instance, check_positive_int
 
 try:  # the backport is a declared dependency; the stdlib module serves where it is absent
     import importlib_metadata as metadata
@@ -517,8 +517,7 @@ def allocate_host_pool(kind: Kind | str, layout: Layout | str, num_layers: int, 
     lay = parse_enum(Layout, layout, "layout")
     if not isinstance(dtype, torch.dtype):
         raise InvalidArgument("dtype", "a torch.dtype", repr(dtype))
-    if not isinstance(registry, (Registry, type(None))):
-        raise InvalidArgument("registry", "a Registry or None", type(registry).__name__)
+    check_instance("registry", registry, (Registry, type(None)), "a Registry or None")
     g = Geometry(k, lay, num_layers, size, head_num, head_dim, page_size,
                  head_group_num)
     byte_strides(g, dtype.itemsize)  # refuses what this dtype cannot lay out, before allocating
@@ -544,8 +543,7 @@ def make_request(op: Op | str, kind: Kind | str, layout: Layout | str, dtype: to
               parse_enum(Layout, layout, "layout"))
     if not isinstance(dtype, torch.dtype):
         raise InvalidArgument("dtype", "a torch.dtype", repr(dtype))
-    if not is_int(element_bytes) or element_bytes <= 0:
-        raise InvalidArgument("element_bytes", "a positive int", repr(element_bytes))
+    check_positive_int("element_bytes", element_bytes)
     req = TransferRequest(op=parsed[0], kind=parsed[1], layout=parsed[2], dtype=dtype,
                           element_bytes=int(element_bytes), device=_device("device", device))
     check_combination(req.op, req.kind, req.layout)

@@ -24,6 +24,13 @@ def is_int(value: object) -> bool:
     return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
 
 
+def check_positive_int(name: str, value: object, context: str = "") -> None:
+    """InvalidArgument naming ``name`` unless ``value`` is an int (see :func:`is_int`) above
+    zero."""
+    if not is_int(value) or value <= 0:  # type: ignore[operator]
+        raise InvalidArgument(name, "a positive int", repr(value), context)
+
+
 def check_instance(name: str, value: object, cls: type | tuple[type, ...], expected: str,
                    context: str = "") -> None:
     """InvalidArgument naming ``name`` unless ``value`` is an instance of ``cls``."""

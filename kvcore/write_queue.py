@@ -107,8 +107,8 @@ class WriteQueue:
             hit = np.flatnonzero(np.isin(pages, held))
             if hit.size:
                 page = int(pages[hit[0]])
-                return (f"page {page} (slots {page * page_size}..{(page + 1) * page_size - 1}) "
-                        f"is written by write-back {p.ack.id}, not acknowledged yet (free an "
+                return (f"{self.allocator.describe_page(page)} is written by write-back "
+                        f"{p.ack.id}, not acknowledged yet (free an "
                         "ack's pages once poll_acks() or wait_acks() returned it)")
         return None
 

@@ -19,6 +19,7 @@ from kvcore.bench.sweep import PRESETS, Case, expand, override
 from kvcore.cli.common import (
     check_fits,
     check_output_path,
+    check_time_limit,
     parse_device,
     require_backend,
     sigterm_interrupts,
@@ -146,9 +147,7 @@ def _run(args: argparse.Namespace) -> int:
         require_matplotlib()
     if args.merge:
         return _merge(args)
-    if args.time_limit is not None and not args.time_limit > 0:  # (NaN too)
-        raise InvalidArgument("--time-limit", "a positive number of seconds",
-                              str(args.time_limit))
+    check_time_limit(args.time_limit)
     cases = _cases(args) if args.through != "controller" else []
     device = parse_device(args.device)
     registry = default_registry()
@@ -161,7 +160,7 @@ def _run(args: argparse.Namespace) -> int:
     if not args.backend:  # measured without them, and said so
         for broken in registry.broken():
             print(f"kvio bench: {broken.reason}; not measured", file=sys.stderr)
-    bench = Bench(registry=default_registry(), device=device, cases=cases,
+    bench = Bench(registry=registry, device=device, cases=cases,
                   backends=_split(args.backend), warmup=args.warmup, repeat=args.repeat,
                   seed=args.seed, settings={"preset": args.preset},
                   time_limit_s=args.time_limit, reference_repeat=args.reference_repeat,

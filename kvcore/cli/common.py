@@ -135,6 +135,13 @@ def require_backend(registry: Registry, name: str, argument: str) -> None:
                               plugin_traceback=exc.plugin_traceback) from exc
 
 
+def check_time_limit(seconds: float | None, option: str = "--time-limit") -> None:
+    """Refuse a time limit that is not a positive number of seconds (0 or less would run
+    nothing, NaN would mean no limit)."""
+    if seconds is not None and not seconds > 0:  # (NaN too)
+        raise InvalidArgument(option, "a positive number of seconds", str(seconds))
+
+
 def check_forced_backend(registry: Registry, environ: dict[str, str] | None = None) -> None:
     """Refuse a KVCORE_BACKEND that names no backend that loaded, in one line."""
     env = os.environ if environ is None else environ

@@ -18,6 +18,7 @@ import torch
 from kvcore.cli.common import (
     check_fits,
     check_output_path,
+    check_time_limit,
     parse_device,
     require_backend,
     sigterm_interrupts,
@@ -114,9 +115,7 @@ def config_from_args(args: argparse.Namespace) -> ReplayConfig:
     if args.min_transfers < 0:
         raise InvalidArgument("--min-transfers", "0 (no bound) or a positive count",
                               str(args.min_transfers))
-    if args.time_limit is not None and not args.time_limit > 0:  # (NaN too)
-        raise InvalidArgument("--time-limit", "a positive number of seconds",
-                              str(args.time_limit))
+    check_time_limit(args.time_limit)
     if args.backend is not None:
         require_backend(default_registry(), args.backend, "--backend")
     if args.kind == "mla" and args.heads not in (None, 1):
