@@ -88,6 +88,13 @@ def test_pool_group_members_may_not_share_memory() -> None:
     HiCacheController(dev, host, members=[(dev2, host2)], registry=reg)  # apart: fine
 
 
+def _acked(c: HiCacheController) -> torch.Tensor:
+    """The host indices of a write-back, acknowledged (a load may read them)."""
+    ack = c.write(torch.arange(4))
+    c.wait_acks()
+    return ack.host_indices
+
+
 CALLS: list[tuple[str, Callable[[HiCacheController], Any]]] = [
     ("member", lambda c: c.plan(Op.WRITE_BACK, member=1)),
     ("member", lambda c: c.plan(Op.WRITE_BACK, member=True)),
@@ -96,8 +103,7 @@ CALLS: list[tuple[str, Callable[[HiCacheController], Any]]] = [
     ("hits", lambda c: c.on_cache_event("hit", torch.arange(4), hits="2")),
     ("hits", lambda c: c.on_cache_event("hit", torch.arange(4), hits=-1)),
     ("device_indices", lambda c: c.on_cache_event("evict", [0, 1, 2, 3])),
-    ("layer", lambda c: c.load(c.write(torch.arange(4)).host_indices if c.wait_acks() or True
-                               else None, torch.arange(4, 8)).wait_layer(True)),
+    ("layer", lambda c: c.load(_acked(c), torch.arange(4, 8)).wait_layer(True)),
     ("layer", lambda c: c.bound[(0, Op.LOAD_LAYER)].submit(
         page_tokens([0], P), torch.arange(4), layer=True)),
     ("layer", lambda c: c.bound[(0, Op.LOAD_LAYER)].submit(
