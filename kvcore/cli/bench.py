@@ -27,7 +27,7 @@ from kvcore.cli.common import (
 from kvcore.errors import InvalidArgument
 from kvcore.layout import Kind, Layout, layouts_for, parse_enum
 from kvcore.plan import dtype_name
-from kvcore.registry import REFERENCE, default_registry
+from kvcore.registry import REFERENCE, Registry, default_registry
 from kvcore.streams import has_streams
 
 #: option -> Sweep field it overrides
@@ -189,6 +189,7 @@ def _run(args: argparse.Namespace) -> int:
             except KeyboardInterrupt:
                 pass
             result.controller_rows = rows
+            _account_for_queues(result, bench.registry, names, start)
         result.controller_not_run = planned - len(result.controller_rows)
     if result.not_run:
         print(f"kvio bench: stopped early, {result.not_run} of {len(cases)} cases not run",
@@ -198,6 +199,18 @@ def _run(args: argparse.Namespace) -> int:
               "queues not run", file=sys.stderr)
     _report(args, result, command_line(args))
     return _exit_code(result)
+
+
+def _account_for_queues(result: BenchResult, registry: Registry, names: list[str],
+                        start: float) -> None:
+    """The run's facts with its controller queues: the elapsed time includes them, and where no
+    kernel case allocated a host pool, the host memory is the one the queues' pools have
+    (what each backend declares; allocate_host_pool refuses a pool that is not)."""
+    result.elapsed_s = time.perf_counter() - start
+    if result.machine.get("host_memory") is None and names:
+        memory = registry.get(names[0]).spec.capabilities.host_memory.value
+        result.machine = {**result.machine, "host_memory": memory,
+                          "pinned": memory == "pinned"}
 
 
 def _queue_cases(args: argparse.Namespace, device: torch.device) -> list[queue.QueueCase]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import jsonschema
@@ -246,6 +247,11 @@ def test_controller_rows_time_queues_of_controller_calls(tmp_path: Path) -> None
         assert (r["wait_us"] is None) == (r["op"] == "write")
     text = md.read_text()
     assert "Through the controller" in text and "CPU us/call, device idle" in text
+    # the run's facts count the queues: their time, and their host pools' memory
+    assert doc["machine"]["host_memory"] == "plain" and not doc["machine"]["pinned"]
+    assert doc["elapsed_s"] > 0
+    assert "host memory: plain (pinned: no)" in text
+    assert re.search(r"elapsed \d+\.\d s", text) and "elapsed 0.0 s" not in text
     table = [line for line in text.splitlines() if line.startswith("| reference |")]
     assert len(table) == 4 and all(line.count("|") == 17 for line in table)
     # caller busy: the CPU inside the calls over the wall time per call (on the CPU reference
