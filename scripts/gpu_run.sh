@@ -17,7 +17,8 @@
 # publish: scripts/probe_signaled_publish.py (variants of the signaled load's end of layer).
 # write_modes: the controller rows once per KVCORE_ASYNC_WRITE_BACK mode in WRITE_MODES.
 # profile: py-spy samples of write()/load() loops (PROFILE_CASES op:pages; .whl/ must carry
-# the py-spy wheel).
+# the py-spy wheel). PROFILE_RATE samples/s (default 250: with --native, 2000 fell behind by
+# 30 s on an H100 host and was killed before writing anything).
 # probe_tma: the standalone TMA-against-loads probe (scripts/probe_tma_h2d.cu).
 # probe_2d: copy-engine 2D copies of groups of layers from page_first (scripts/probe_2d_rows.cu).
 # submit_cost: cProfile of controller calls, once per page count in SUBMIT_PAGES.
@@ -114,7 +115,7 @@ profile)  # py-spy over loops of controller calls (needs the py-spy wheel carrie
     $PY -m pip install -q --no-index --no-deps --target /tmp/pyspy .whl/py_spy*.whl || { echo "no py-spy wheel in .whl/"; status=1; }
     for c in ${PROFILE_CASES:-write:1 write:16 load:1 load:64}; do
         op=${c%%:*}; pages=${c##*:}; batch=32; [ "$pages" -ge 16 ] && batch=8
-        step "profile_${op}_${pages}p" 90 /tmp/pyspy/bin/py-spy record --native --rate 2000 --format raw -o "$R/profile_${op}_${pages}p.txt" -- $PY scripts/probe_hot_path.py --op "$op" --pages "$pages" --seconds 5 --batch "$batch"
+        step "profile_${op}_${pages}p" 90 /tmp/pyspy/bin/py-spy record --native --rate ${PROFILE_RATE:-250} --format raw -o "$R/profile_${op}_${pages}p.txt" -- $PY scripts/probe_hot_path.py --op "$op" --pages "$pages" --seconds 5 --batch "$batch"
         $PY scripts/probe_hot_path.py --summarize "$R/profile_${op}_${pages}p.txt" --root "$op" --top 70 >> "$R/profile_${op}_${pages}p.log" 2>&1
     done
     ;;
