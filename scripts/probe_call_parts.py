@@ -22,6 +22,7 @@ import torch
 from kvcore import DevicePool, HiCacheController
 from kvcore.layout import Op
 from kvcore.registry import allocate_host_pool
+from kvcore.streams import recorded_event
 
 RESULTS: dict[str, float] = {}
 
@@ -54,6 +55,23 @@ def timed(name: str, fn: Callable[[], Any], n: int = 400, every: Callable[[], An
         samples.append(time.perf_counter() - t0)
         if every is not None:
             every()
+    us = 1e6 * statistics.median(samples)
+    RESULTS[name] = round(us, 2)
+    print(f"{name:58s} {us:8.2f} us", flush=True)
+
+
+def timed_after(name: str, first: Callable[[], Any], fn: Callable[[], Any], n: int = 50,
+                ) -> None:
+    """Median microseconds of ``fn`` right after an untimed ``first``, the device synchronized
+    before each pair: what a call costs behind the one a submit makes before it."""
+    samples = []
+    for _ in range(n):
+        torch.cuda.synchronize()
+        first()
+        t0 = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t0)
+    torch.cuda.synchronize()
     us = 1e6 * statistics.median(samples)
     RESULTS[name] = round(us, 2)
     print(f"{name:58s} {us:8.2f} us", flush=True)
@@ -185,6 +203,16 @@ def main() -> None:
         timed(f"[{pages}p] load_layer bound.submit(placed, check=False) on s",
               lambda: ll.submit(lhp, ldp, stream=s, check=False), n=50,
               every=torch.cuda.synchronize)
+        # the submit's two runtime-side parts alone: the prepared runner (the signaled launch)
+        # and the completion event recorded behind it (h100/h200: 19 us at 1 page, 100-150 us
+        # from 16 pages for the whole submit, with the same Python at every page count)
+        run = ll._runners[id(ll._routes[(False, False)])]
+        timed(f"[{pages}p] load_layer runner alone (placed) on s",
+              lambda: run(lhp, ldp, None, s, False), n=50, every=torch.cuda.synchronize)
+        timed_after(f"[{pages}p] recorded_event(s) after the runner",
+                    lambda: run(lhp, ldp, None, s, False), lambda: recorded_event(ll.device, s))
+        timed(f"[{pages}p] recorded_event(s), device idle", lambda: recorded_event(ll.device, s),
+              n=50, every=torch.cuda.synchronize)
         torch.cuda.synchronize()
         sub = ll.submit(lhp, ldp, stream=s, check=False)
         cur = torch.cuda.current_stream()
