@@ -116,7 +116,11 @@ profile)  # py-spy over loops of controller calls (needs the py-spy wheel carrie
     for c in ${PROFILE_CASES:-write:1 write:16 load:1 load:64}; do
         op=${c%%:*}; pages=${c##*:}; batch=32; [ "$pages" -ge 16 ] && batch=8
         step "profile_${op}_${pages}p" 90 /tmp/pyspy/bin/py-spy record --native --rate ${PROFILE_RATE:-250} --format raw -o "$R/profile_${op}_${pages}p.txt" -- $PY scripts/probe_hot_path.py --op "$op" --pages "$pages" --seconds 5 --batch "$batch"
-        $PY scripts/probe_hot_path.py --summarize "$R/profile_${op}_${pages}p.txt" --root "$op" --top 70 >> "$R/profile_${op}_${pages}p.log" 2>&1
+        if [ -s "$R/profile_${op}_${pages}p.txt" ]; then
+            $PY scripts/probe_hot_path.py --summarize "$R/profile_${op}_${pages}p.txt" --root "$op" --top 70 >> "$R/profile_${op}_${pages}p.log" 2>&1
+        else
+            echo "=== profile_${op}_${pages}p: py-spy wrote no samples" | tee -a "$R/summary.log"
+        fi
     done
     ;;
 probe_2d)  # copy-engine 2D copies of layer groups from page_first (scripts/probe_2d_rows.cu)
