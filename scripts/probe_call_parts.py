@@ -46,32 +46,18 @@ class Spy:
 
 
 def timed(name: str, fn: Callable[[], Any], n: int = 400, every: Callable[[], Any] | None = None,
-          ) -> None:
-    """Median microseconds of ``fn`` over ``n`` calls (``every`` runs untimed after each)."""
+          before: Callable[[], Any] | None = None) -> None:
+    """Median microseconds of ``fn`` over ``n`` calls (``before`` runs untimed before each,
+    ``every`` after each)."""
     samples = []
     for _ in range(n):
+        if before is not None:
+            before()
         t0 = time.perf_counter()
         fn()
         samples.append(time.perf_counter() - t0)
         if every is not None:
             every()
-    us = 1e6 * statistics.median(samples)
-    RESULTS[name] = round(us, 2)
-    print(f"{name:58s} {us:8.2f} us", flush=True)
-
-
-def timed_after(name: str, first: Callable[[], Any], fn: Callable[[], Any], n: int = 50,
-                ) -> None:
-    """Median microseconds of ``fn`` right after an untimed ``first``, the device synchronized
-    before each pair: what a call costs behind the one a submit makes before it."""
-    samples = []
-    for _ in range(n):
-        torch.cuda.synchronize()
-        first()
-        t0 = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - t0)
-    torch.cuda.synchronize()
     us = 1e6 * statistics.median(samples)
     RESULTS[name] = round(us, 2)
     print(f"{name:58s} {us:8.2f} us", flush=True)
@@ -209,8 +195,10 @@ def main() -> None:
         run = ll._runners[id(ll._routes[(False, False)])]
         timed(f"[{pages}p] load_layer runner alone (placed) on s",
               lambda: run(lhp, ldp, None, s, False), n=50, every=torch.cuda.synchronize)
-        timed_after(f"[{pages}p] recorded_event(s) after the runner",
-                    lambda: run(lhp, ldp, None, s, False), lambda: recorded_event(ll.device, s))
+        timed(f"[{pages}p] recorded_event(s) after the runner",
+              lambda: recorded_event(ll.device, s), n=50,
+              before=lambda: (torch.cuda.synchronize(), run(lhp, ldp, None, s, False)))
+        torch.cuda.synchronize()
         timed(f"[{pages}p] recorded_event(s), device idle", lambda: recorded_event(ll.device, s),
               n=50, every=torch.cuda.synchronize)
         torch.cuda.synchronize()
