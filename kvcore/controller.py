@@ -144,8 +144,12 @@ class HiCacheController:
         self.load_stream = new_stream(self.device)
         self._fence = Fence(self.device)
         # host index tensors this controller's allocator made (an ack's): handed back to load()
-        # still holding those values, they need no check again
+        # or free_host() still holding those values, their pages are allocated and need no
+        # check again
         self._issued = CheckedTensors()
+        # what _issued held before free_host() last freed pages through another tensor (some
+        # may be theirs): values still vouched for, their pages checked again on first use
+        self._issued_before = CheckedTensors()
         self._health = Health()
         self._writes = WriteQueue(self.allocator, self.write_stream, self._health, rounds)
         # one caller at a time: the allocator, the queue of pending writes and the streams'
@@ -258,13 +262,20 @@ class HiCacheController:
         holding the values this controller's allocator gave them, are not value-checked again;
         any other tensor is (whole pages, in range, each once). A page that is not allocated,
         or that a write-back not yet acknowledged writes, is refused with AllocatorError and
-        nothing freed."""
+        nothing freed. Pages freed through another tensor than the ack's (a copy, a
+        concatenation) may be any ack's: the next load of each earlier ack checks its pages
+        again."""
         with self._lock:
-            self.allocator.free(host_indices, checked=host_indices in self._issued,
-                                name="host_indices",
+            # an ack's own tensor (the allocator still refuses its pages if they are free)
+            own = host_indices in self._issued or host_indices in self._issued_before
+            self.allocator.free(host_indices, checked=own, name="host_indices",
                                 in_use=self._writes.holding if len(self._writes) else None)
             # freed pages may be handed out again: a load of this tensor is checked again
             self._issued.discard(host_indices)
+            if self._issued_before:
+                self._issued_before.discard(host_indices)
+            if not own:  # the pages of any ack's tensor may be among them
+                self._issued_before, self._issued = self._issued, CheckedTensors()
 
     # -- load ------------------------------------------------------------------------------
 
@@ -282,9 +293,15 @@ class HiCacheController:
                 raise InvalidArgument("all_layers", "a bool", repr(all_layers))
             op = Op.LOAD_ALL if all_layers else Op.LOAD_LAYER
             issued = host_indices in self._issued
-            h, d = self.bound[(0, op)].check(host_indices, device_indices, host_trusted=issued)
+            # made by the allocator before another tensor freed pages: its values hold, but
+            # its pages are checked again (once: then it is vouched for again)
+            before = not issued and host_indices in self._issued_before
+            h, d = self.bound[(0, op)].check(host_indices, device_indices,
+                                             host_trusted=issued or before)
             if not issued:
                 self._check_allocated(h)
+                if before:
+                    self._issued.add(h)
             try:
                 subs = self._submit(op, self.load_stream, h, d)
             except BaseException as exc:

@@ -84,6 +84,39 @@ def test_a_freed_ack_s_pages_are_no_longer_loadable(ctl: HiCacheController) -> N
         assert torch.equal(t.view(torch.uint8), b.view(torch.uint8))
 
 
+def test_pages_freed_through_another_tensor_are_refused_to_a_load_of_the_ack_s_own(
+        ctl: HiCacheController) -> None:
+    """An ack's own tensor is loaded without checking its pages again, until pages are freed
+    through another tensor: a copy of it, or a concatenation naming it and another ack."""
+    first, second, third = (ctl.write(torch.arange(i, i + P)) for i in (0, 4, 8))
+    assert ctl.wait_acks() == [first, second, third]
+    ctl.free_host(first.host_indices.clone())
+    dev_before = [t.clone() for t in ctl.members[0].device.all_buffers()]
+    for all_layers in (False, True):
+        with pytest.raises(InvalidIndices, match=r"^host_indices: .* which is free"):
+            ctl.load(first.host_indices, torch.arange(16, 20), all_layers=all_layers)
+    for t, b in zip(ctl.members[0].device.all_buffers(), dev_before, strict=True):
+        assert torch.equal(t.view(torch.uint8), b.view(torch.uint8))
+    with pytest.raises(AllocatorError, match="free"):
+        ctl.free_host(first.host_indices)  # freed already, through the copy
+    # the others' pages are still theirs: loaded (their pages checked once), then freed
+    # through one tensor naming both
+    ctl.load(second.host_indices, torch.arange(16, 20)).wait()
+    for t in ctl.members[0].device.all_buffers():  # written from 4..7, loaded into 16..19
+        assert torch.equal(t[16:20].view(torch.uint8), t[4:8].view(torch.uint8))
+    ctl.free_host(torch.cat([second.host_indices, third.host_indices]))
+    for ack in (second, third):
+        with pytest.raises(InvalidIndices, match=r"which is free"):
+            ctl.load(ack.host_indices, torch.arange(16, 20))
+    assert ctl.allocator.available_size() == ctl.allocator.size
+    # later acks are vouched for again as before
+    fourth = ctl.write(torch.arange(12, 16))
+    ctl.wait_acks()
+    ctl.load(fourth.host_indices, torch.arange(20, 24)).wait()
+    ctl.free_host(fourth.host_indices)
+    assert ctl.allocator.available_size() == ctl.allocator.size
+
+
 def test_a_failed_write_does_not_take_the_acks_drained_before_it() -> None:
     """The queue requeues the writes that completed before a failed one before it releases
     the failed one's slots: a release that raised could otherwise drop them unacknowledged."""
