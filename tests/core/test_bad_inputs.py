@@ -194,3 +194,25 @@ def test_the_controller_still_works_after_refusals(ctl: HiCacheController) -> No
     for kv in range(2):
         for layer in m.device.layers(kv):
             assert torch.equal(layer[16:24].view(torch.uint8), layer[24:32].view(torch.uint8))
+
+
+def test_the_reference_refuses_pools_on_the_meta_device_naming_the_pool(
+        ref_registry: Registry) -> None:
+    """Meta tensors have shapes and no memory: the reference refuses the transfer before it
+    reads anything (torch's 'Tensor.item() cannot be called on meta tensors' came out of it
+    as a failed transfer), the write's host pages go back, and the controller stays usable."""
+    from kvcore.pools import DevicePool
+    from kvcore.registry import allocate_host_pool
+
+    dev = DevicePool.allocate("mha", LAYERS, DEVICE_SIZE, 2, 8, torch.bfloat16, META, PAGE)
+    host = allocate_host_pool("mha", "page_first", LAYERS, HOST_PAGES * PAGE, 2, 8,
+                              torch.bfloat16, PAGE, "cpu", registry=ref_registry)
+    c = HiCacheController(dev, host, registry=ref_registry)
+    for _ in range(2):
+        with pytest.raises(InvalidArgument, match=r"^device_pool: expected tensors with memory "
+                           r".* got tensors on the meta device"):
+            c.write(D8.to(META))
+        assert c.allocator.available_size() == c.allocator.size and c.pending_writes == 0
+    h = c.allocator.alloc(PAGE)
+    with pytest.raises(InvalidArgument, match=r"^device_pool: .*meta"):
+        c.load(h, D8[:4].to(META))

@@ -10,7 +10,7 @@ import torch
 
 from kvcore.backend import TransferJob
 from kvcore.capabilities import HostMemory
-from kvcore.errors import InvalidIndices
+from kvcore.errors import InvalidArgument, InvalidIndices
 from kvcore.layout import Op, canonical_view, join_heads, split_heads
 from kvcore.streams import on_stream
 
@@ -28,6 +28,12 @@ class ReferenceBackend:
         return torch.empty(shape, dtype=dtype, pin_memory=True), HostMemory.PINNED
 
     def run(self, job: TransferJob) -> None:
+        for name, t in (("device_pool", job.device_pool.k_buffers[0]),
+                        ("host_pool", job.host_buffer), ("host_indices", job.host_indices),
+                        ("device_indices", job.device_indices)):
+            if t.is_meta:  # (shapes only: nothing to read, copy or range-check)
+                raise InvalidArgument(name, "tensors with memory (cpu, cuda, ...)",
+                                      "tensors on the meta device", "reference")
         with on_stream(job.stream):
             _transfer(job)
 
