@@ -21,6 +21,12 @@
 # 30 s on an H100 host and was killed before writing anything).
 # probe_tma: the standalone TMA-against-loads probe (scripts/probe_tma_h2d.cu).
 # probe_2d: copy-engine 2D copies of groups of layers from page_first (scripts/probe_2d_rows.cu).
+# probe_2e: a per-layer copy-engine load's copies on one stream against two or three
+# (scripts/probe_two_engines.cu). probe_hybrid: a page_first per-layer load by the SMs and the
+# copy engine at once (scripts/probe_hybrid_load.cu). host_share: this machine's CPU on
+# scripts/probe_null_device.py (needs cc; its stand-ins cost more than the CUDA path under the
+# GPU image's torch, so compare it only with itself, h100-2026-12-05b) and each runtime call's
+# CPU cost in C (scripts/probe_runtime_calls.cu): what the machine, not the code, costs.
 # submit_cost: cProfile of controller calls, once per page count in SUBMIT_PAGES.
 # probe: scripts/probe_layer_load.py once per kernel build setting in PROBE_TUNES
 # (';'-separated KVIO_CUDA_TUNE values, '' = the shipped defaults). probe_h2d: the standalone
@@ -52,6 +58,11 @@ step() {  # step NAME SECONDS CMD...: run with a time limit, log to $R/NAME.log
     echo "=== $name: rc=$rc in $((SECONDS - t0)) s" | tee -a "$R/summary.log"
     tail -n 8 "$R/$name.log"
     [ $rc = 0 ] || status=1
+}
+cuda_probe() {  # cuda_probe NAME SOURCE SECONDS: build a standalone CUDA probe, run it, drop it
+    step "$1_build" 120 nvcc -O3 -std=c++17 -arch=sm_90a -o "$R/$1" "$2"
+    step "$1" "$3" "$R/$1"
+    rm -f "$R/$1"
 }
 
 for stage in "${STAGES[@]}"; do case $stage in
@@ -96,9 +107,7 @@ probe)
     done
     ;;
 probe_h2d)
-    step probe_h2d_build 120 nvcc -O3 -std=c++17 -arch=sm_90a -o "$R/probe_h2d" scripts/probe_h2d_paths.cu
-    step probe_h2d 240 "$R/probe_h2d"
-    rm -f "$R/probe_h2d"
+    cuda_probe probe_h2d scripts/probe_h2d_paths.cu 240
     ;;
 write_modes)  # the controller's rows once per write-back issue mode (KVCORE_ASYNC_WRITE_BACK)
     for mode in ${WRITE_MODES:-0 1}; do
@@ -124,14 +133,20 @@ profile)  # py-spy over loops of controller calls (needs the py-spy wheel carrie
     done
     ;;
 probe_2d)  # copy-engine 2D copies of layer groups from page_first (scripts/probe_2d_rows.cu)
-    step probe_2d_build 120 nvcc -O3 -std=c++17 -arch=sm_90a -o "$R/probe_2d" scripts/probe_2d_rows.cu
-    step probe_2d 240 "$R/probe_2d"
-    rm -f "$R/probe_2d"
+    cuda_probe probe_2d scripts/probe_2d_rows.cu 240
     ;;
 probe_tma)  # SM bulk copies (TMA) from pinned memory against vector loads (scripts/probe_tma_h2d.cu)
-    step probe_tma_build 120 nvcc -O3 -std=c++17 -arch=sm_90a -o "$R/probe_tma" scripts/probe_tma_h2d.cu
-    step probe_tma 240 "$R/probe_tma"
-    rm -f "$R/probe_tma"
+    cuda_probe probe_tma scripts/probe_tma_h2d.cu 240
+    ;;
+probe_2e)  # per-layer copy-engine loads over one stream against two or three (scripts/probe_two_engines.cu)
+    cuda_probe probe_2e scripts/probe_two_engines.cu 120
+    ;;
+probe_hybrid)  # a page_first per-layer load by the SMs and the copy engine at once (scripts/probe_hybrid_load.cu)
+    cuda_probe probe_hybrid scripts/probe_hybrid_load.cu 120
+    ;;
+host_share)  # this machine's CPU: the null-device probe and each runtime call in C
+    step null_device 180 $PY scripts/probe_null_device.py --calls 2000 --pages 1 64
+    cuda_probe runtime_calls scripts/probe_runtime_calls.cu 60
     ;;
 issue)
     step issue_cost 90 $PY scripts/probe_issue_cost.py

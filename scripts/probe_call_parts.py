@@ -11,6 +11,7 @@ and one MLA page. Run on a GPU machine:
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import statistics
 import time
@@ -21,7 +22,7 @@ import torch
 
 from kvcore import DevicePool, HiCacheController
 from kvcore.layout import Op
-from kvcore.registry import allocate_host_pool
+from kvcore.registry import allocate_host_pool, default_registry
 from kvcore.streams import recorded_event
 
 RESULTS: dict[str, float] = {}
@@ -63,22 +64,43 @@ def timed(name: str, fn: Callable[[], Any], n: int = 400, every: Callable[[], An
     print(f"{name:58s} {us:8.2f} us", flush=True)
 
 
-def raw_calls(lib: Any, tag: str, submit: Callable[[], Any],
-              ) -> list[tuple[str, Any, tuple[Any, ...]]]:
-    """Run ``submit`` with ``lib``'s ctypes library spied on, then time each library function
-    it called alone with the same arguments; return (name, function, arguments)."""
+def raw_calls(dev: DevicePool, host: Any, tag: str, submit: Callable[[Any], Any]) -> None:
+    """The library's own cost of each call a controller of ``dev`` and ``host`` makes: a
+    controller built while the cuda backend's ctypes library is spied on (its prepared
+    runners take their functions when it is built) runs ``submit(controller)`` once; then
+    each library function it called is timed alone with the same arguments, the device idle
+    before each. A job a call hands out is waited for and given back after each; the job
+    functions themselves are not timed (a handle may be given back once only)."""
+    lib = default_registry().instance("cuda", dev.device).lib
     spy = Spy(lib._lib)
     lib._lib = spy
     try:
-        submit()
+        submit(HiCacheController(dev, host))
         torch.cuda.synchronize()
     finally:
         lib._lib = spy.lib
-    calls = [(name, getattr(spy.lib, name), a) for name, a in spy.calls.items()]
-    for name, fn, a in calls:
-        timed(f"{tag} raw {name}", lambda fn=fn, a=a: fn(*a), n=50,
-              every=torch.cuda.synchronize)
-    return calls
+    real = spy.lib
+    for name, a in spy.calls.items():
+        if name.startswith("kvio_job"):
+            continue
+        fn = getattr(real, name)
+        out = getattr(a[-1], "_obj", None) if a else None  # a job handed out, if any
+
+        def settle(out: Any = out) -> None:
+            if isinstance(out, ctypes.c_void_p) and out.value:
+                real.kvio_job_wait(out)
+                real.kvio_job_release(out)
+            torch.cuda.synchronize()
+
+        timed(f"{tag} raw {name}", lambda fn=fn, a=a: fn(*a), n=50, every=settle)
+
+
+def write_then_load(ctl: Any, d: torch.Tensor) -> None:
+    """One write-back of ``d`` and one load of it back, as an engine makes them."""
+    ack = ctl.write(d)
+    ctl.wait_acks()
+    ctl.load(ack.host_indices, d).wait()
+    ctl.free_host(ack.host_indices)
 
 
 def idle_calls(ctl: Any, d: torch.Tensor, tag: str, n: int) -> None:
@@ -157,19 +179,11 @@ def main() -> None:
         calls = {1: 200, 4: 50, 16: 20, 64: 8}[pages]
         host = allocate_host_pool("mha", "page_first", L, (calls + 8) * n, 8, 128,
                                   torch.bfloat16, P, dev_name)
-        ctl = HiCacheController(dev, host)
         d = torch.arange(n, device=dev_name)
+        raw_calls(dev, host, f"[{pages}p]", lambda c: write_then_load(c, d))
+        ctl = HiCacheController(dev, host)
         wb = ctl.bound[(0, Op.WRITE_BACK)]
         ll = ctl.bound[(0, Op.LOAD_LAYER)]
-        h0 = ctl.allocator.alloc(n)
-        for name, fn, a in raw_calls(wb.backend.lib, f"[{pages}p]", lambda: (
-                wb.submit(h0, d, stream=s), ll.submit(h0, d, stream=s))):
-            if name == "kvio_write_back_staged":
-                b = list(a)
-                b[11] = 0  # use_batched off
-                timed(f"[{pages}p] raw {name} (batched off)", lambda fn=fn, b=b: fn(*b), n=50,
-                      every=torch.cuda.synchronize)
-        ctl.allocator.free(h0)
         h = ctl.allocator.alloc(n)
         hp, dp = wb.place(h, d)
         timed(f"[{pages}p] allocator.alloc+free", lambda: ctl.allocator.free(
@@ -190,8 +204,8 @@ def main() -> None:
               lambda: ll.submit(lhp, ldp, stream=s, check=False), n=50,
               every=torch.cuda.synchronize)
         # the submit's two runtime-side parts alone: the prepared runner (the signaled launch)
-        # and the completion event recorded behind it (h100/h200: 19 us at 1 page, 100-150 us
-        # from 16 pages for the whole submit, with the same Python at every page count)
+        # and the completion event recorded behind it. Both grow with the page count only
+        # right after a synchronize() that waited for the previous load (h100-2026-12-05b)
         run = ll._runners[id(ll._routes[(False, False)])]
         timed(f"[{pages}p] load_layer runner alone (placed) on s",
               lambda: run(lhp, ldp, None, s, False), n=50, every=torch.cuda.synchronize)
@@ -231,12 +245,9 @@ def main() -> None:
     dev = DevicePool.allocate("mla", L, 2 * n, 1, 576, torch.bfloat16, dev_name, P)
     host = allocate_host_pool("mla", "page_first", L, 208 * n, 1, 576, torch.bfloat16, P,
                               dev_name)
-    ctl = HiCacheController(dev, host)
     d = torch.arange(n, device=dev_name)
-    wb = ctl.bound[(0, Op.WRITE_BACK)]
-    h0 = ctl.allocator.alloc(n)
-    raw_calls(wb.backend.lib, "[mla 1p]", lambda: wb.submit(h0, d, stream=s))
-    ctl.allocator.free(h0)
+    raw_calls(dev, host, "[mla 1p]", lambda c: write_then_load(c, d))
+    ctl = HiCacheController(dev, host)
     idle_calls(ctl, d, "[mla 1p]", 200)
     acks = []
     timed("[mla 1p] ctl.write(d)", lambda: acks.append(ctl.write(d)), n=200)
@@ -250,12 +261,13 @@ def main() -> None:
     dev = DevicePool.allocate("mha", L, 2 * n, 8, 128, torch.bfloat16, dev_name, P)
     host = allocate_host_pool("mha", "layer_first", L, 2 * n, 8, 128, torch.bfloat16, P,
                               dev_name)
+    d = torch.arange(n, device=dev_name)
+    raw_calls(dev, host, "[lf16p]", lambda c: c.bound[(0, Op.LOAD_LAYER)].submit(
+        torch.arange(n), d.cpu(), stream=s, layer=3))
     ctl = HiCacheController(dev, host)
     ll = ctl.bound[(0, Op.LOAD_LAYER)]
     print("layer_first per-layer load variant:", ll.support.variant)
     h = ctl.allocator.alloc(n)
-    d = torch.arange(n, device=dev_name)
-    raw_calls(ll.backend.lib, "[lf16p]", lambda: ll.submit(h, d.cpu(), stream=s, layer=3))
     hp, dp = ll.place(h, d.cpu())
     timed("[lf16p] load_layer bound.submit(layer=3, placed) on s",
           lambda: ll.submit(hp, dp, stream=s, layer=3, check=False), n=50,
