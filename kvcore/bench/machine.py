@@ -7,6 +7,7 @@ import os
 import platform
 import shutil
 import subprocess
+import timeit
 from typing import Any
 
 import torch
@@ -39,7 +40,32 @@ def machine_facts(device: torch.device, host_memory: str | None) -> dict[str, An
         "cpu_count": os.cpu_count(),
         "host_memory": host_memory,
         "pinned": host_memory == "pinned",
+        "host_speed_ns": host_speed(),
     }
+
+
+#: what :func:`host_speed` times: (name, statement, setup, statements per sample)
+HOST_SPEED_STEPS = (
+    ("python_call", "f(1, 2)", "def f(a, b): return a", 20000),
+    ("tensor_attributes", "t.dtype; t.is_cpu; t.numel()", "import torch; t = torch.arange(64)",
+     20000),
+    ("sum_range_1000", "sum(range(1000))", "", 200),
+)
+
+
+def host_speed() -> dict[str, float]:
+    """Nanoseconds this host's CPU takes for a Python call, for reading three attributes of a
+    small CPU tensor and for ``sum(range(1000))`` (the best of five samples each, about 50 ms
+    in all). The controller rows' CPU times are made of such steps and follow them: machines
+    of one kind, started minutes apart, ran them up to 2.2x apart
+    (docs/benchmarks/h100-2026-12-05b), so compare CPU rows of two runs with these beside
+    them. Empty where timing fails."""
+    out: dict[str, float] = {}
+    with contextlib.suppress(Exception):
+        for name, stmt, setup, number in HOST_SPEED_STEPS:
+            best = min(timeit.repeat(stmt, setup, repeat=5, number=number))
+            out[name] = round(1e9 * best / number, 1)
+    return out
 
 
 def measured_environment() -> dict[str, str]:

@@ -127,7 +127,12 @@ def merge(results: Sequence[BenchResult]) -> BenchResult:
                if c.key() not in measured}
     settings = dict(first.settings)
     settings["runs"] = len(results)
-    return BenchResult(rows=list(by_key.values()), machine=first.machine,
+    machine = dict(first.machine)
+    speeds = [r.machine["host_speed_ns"] for r in results if r.machine.get("host_speed_ns")]
+    if speeds:  # the rows' CPU times came from every run: the slowest host is the bound
+        machine["host_speed_ns"] = {k: max(s[k] for s in speeds if k in s)
+                                    for k in {k: None for s in speeds for k in s}}
+    return BenchResult(rows=list(by_key.values()), machine=machine,
                        backends=list(backends.values()), settings=settings,
                        started=first.started,
                        elapsed_s=sum(r.elapsed_s for r in results),

@@ -114,6 +114,7 @@ def header_lines(result: BenchResult) -> list[str]:
         f"{runtime}  torch {m.get('torch')}",
         f"CPU: {m.get('cpu')} ({m.get('cpu_count')} cores)  host memory: "
         f"{m.get('host_memory') or '-'} (pinned: {'yes' if m.get('pinned') else 'no'})",
+        *host_speed_lines(m.get("host_speed_ns"), s.get("runs", 1)),
         f"backends: {names}  timer: {s.get('timer')}"
         + (" on a dedicated stream" if s.get("stream") == "dedicated" else "")
         + f", warm-up {s.get('warmup')}"
@@ -131,6 +132,21 @@ def header_lines(result: BenchResult) -> list[str]:
         *([f"INCOMPLETE: stopped early, {result.controller_not_run} controller queue(s) not "
            "run"] if result.controller_not_run else []),
     ]
+
+
+def host_speed_lines(speed: dict[str, float] | None, runs: int = 1) -> list[str]:
+    """The host's speed at the steps CPU times are made of (``host_speed_ns``), where known:
+    CPU rows of two runs compare only beside it. Merged runs keep each step's slowest."""
+    if not speed:
+        return []
+    names = {"python_call": "a Python call", "tensor_attributes": "3 tensor attributes",
+             "sum_range_1000": "sum(range(1000))"}
+    which = f" (the slowest of {runs} runs)" if runs > 1 else ""
+    return [f"host speed{which}: "
+            + ", ".join(f"{names.get(k, k)} "
+                        + (f"{v / 1e3:.1f} us" if v >= 1e3 else f"{v:.0f} ns")
+                        for k, v in speed.items())
+            + " (CPU times follow these)"]
 
 
 def host_lines(result: BenchResult) -> list[str]:

@@ -196,6 +196,26 @@ def test_merge_keeps_the_later_run_of_a_repeated_case(tmp_path: Path) -> None:
     assert [r.timing for r in merged.rows] == [r.timing for r in second.rows]
 
 
+def test_merge_keeps_each_host_speed_step_s_slowest_and_says_so(tmp_path: Path) -> None:
+    """Merged rows' CPU times come from every run: the header shows the slowest host; a run
+    recorded before hosts were timed adds nothing."""
+    from kvcore.bench.report import header_lines
+
+    a = _run(tmp_path, "a", "--kind", "mla", "--num-layers", "2")
+    b = _run(tmp_path, "b", "--kind", "mha", "--num-layers", "2")
+    c = _run(tmp_path, "c", "--kind", "mha", "--num-layers", "3")
+    first, second, old = load(str(a))[0], load(str(b))[0], load(str(c))[0]
+    first.machine["host_speed_ns"] = {"python_call": 30.0, "tensor_attributes": 200.0}
+    second.machine["host_speed_ns"] = {"python_call": 45.0, "tensor_attributes": 150.0}
+    del old.machine["host_speed_ns"]
+    merged = merge([first, second, old])
+    assert merged.machine["host_speed_ns"] == {"python_call": 45.0, "tensor_attributes": 200.0}
+    assert first.machine["host_speed_ns"]["python_call"] == 30.0  # the runs stay as they were
+    (line,) = [ln for ln in header_lines(merged) if ln.startswith("host speed")]
+    assert line.startswith("host speed (the slowest of 3 runs): a Python call 45 ns")
+    assert "host_speed_ns" not in merge([old]).machine
+
+
 def test_merge_refuses_runs_of_different_machines_and_foreign_files(tmp_path: Path) -> None:
     a = _run(tmp_path, "a", "--kind", "mla", "--num-layers", "2")
     first = load(str(a))[0]

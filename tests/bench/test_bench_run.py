@@ -54,6 +54,28 @@ def test_reference_rows_are_timed_with_ceiling_and_speedup() -> None:
     validate(json.loads(report.to_json(result, "kvio bench")))
 
 
+def test_the_report_says_how_fast_the_host_ran_python_beside_the_cpu_times() -> None:
+    """CPU rows of two runs compare only beside the host's speed: the machine facts carry
+    it, the header names it, and a document without it (older runs) still reads."""
+    result = Bench(default_registry(), CPU, cases()[:1], backends=[REFERENCE], warmup=1,
+                   repeat=2).run()
+    speed = result.machine["host_speed_ns"]
+    assert set(speed) == {"python_call", "tensor_attributes", "sum_range_1000"}
+    assert all(v > 0 for v in speed.values())
+    # sum(range(1000)) is a thousand additions, far more than one call
+    assert speed["sum_range_1000"] > 10 * speed["python_call"]
+    (line,) = [ln for ln in report.header_lines(result) if ln.startswith("host speed:")]
+    assert f"a Python call {speed['python_call']:.0f} ns" in line
+    assert f"sum(range(1000)) {speed['sum_range_1000'] / 1e3:.1f} us" in line
+    validate(json.loads(report.to_json(result, "kvio bench")))
+    del result.machine["host_speed_ns"]
+    assert not any(ln.startswith("host speed:") for ln in report.header_lines(result))
+    validate(json.loads(report.to_json(result, "kvio bench")))
+    result.machine["host_speed_ns"] = {"python_call": -1.0}
+    with pytest.raises(jsonschema.ValidationError):
+        validate(json.loads(report.to_json(result, "kvio bench")))
+
+
 @pytest.mark.parametrize("after", ["corrupt", "raise"])
 def test_a_wrong_backend_is_marked_failed_and_never_timed(after: str) -> None:
     with default_registry().isolated() as reg:
