@@ -27,8 +27,8 @@
 # scripts/probe_null_device.py (needs cc; its stand-ins cost more than the CUDA path under the
 # GPU image's torch, so compare it only with itself, h100-2026-12-05b) and each runtime call's
 # CPU cost in C (scripts/probe_runtime_calls.cu): what the machine, not the code, costs.
-# write_queue: scripts/probe_write_queue.py (why the bench's queue of MHA writes cost the caller
-# more than probe_call_parts' on one machine: one factor changed at a time).
+# queue_factors: scripts/probe_queue_factors.py (why the bench's queues of controller calls cost
+# the caller more than probe_call_parts' on one machine: one factor changed at a time).
 # submit_cost: cProfile of controller calls, once per page count in SUBMIT_PAGES.
 # probe: scripts/probe_layer_load.py once per kernel build setting in PROBE_TUNES
 # (';'-separated KVIO_CUDA_TUNE values, '' = the shipped defaults). probe_h2d: the standalone
@@ -156,8 +156,8 @@ issue)
 call_parts)  # each piece of the submit path alone, median us
     step call_parts 120 $PY scripts/probe_call_parts.py --json "$R/call_parts.json"
     ;;
-write_queue)  # the bench's queue of write() calls against plain loops, one factor at a time
-    step write_queue 150 $PY scripts/probe_write_queue.py --json "$R/write_queue.json"
+queue_factors)  # the bench's queues of controller calls against plain loops, one factor at a time
+    step queue_factors 300 $PY scripts/probe_queue_factors.py --json "$R/queue_factors.json"
     ;;
 default_stream)  # per-layer loads from layer_first on the legacy default stream
     step default_stream 120 $PY scripts/probe_default_stream.py

@@ -1,0 +1,180 @@
+"""Why queues of controller calls cost the caller more in ``kvio bench`` than in
+``scripts/probe_call_parts.py`` on the same machine (h100-2026-12-05b, calls 10-11: 54 against
+29 us per one-page MHA ``write()``, 83 against 59 per 64-page ``load()``, while one-page MLA
+writes cost 26 in both): the same queues with one factor changed at a time, and the time spent
+inside the library's transfer call measured in each (the library is wrapped before any
+controller is built, so its prepared runners call through the wrapper; the wrapper's own cost
+is the same in every row).
+
+Factors: the bench's own queue (``kvcore.bench.queue._run``) against a plain loop; the device
+indices (one ``arange`` tensor, as probe_call_parts, or the bench's four random page sets);
+the host pool (exactly the queue's pages, as the bench, or eight pages to spare); write or
+load; MHA or MLA; 1 or 64 pages. Run on a GPU machine:
+
+    python scripts/probe_queue_factors.py [--json FILE]
+    python scripts/probe_queue_factors.py --backend reference --device cpu --pages 1  # dry run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from kvcore import DevicePool, HiCacheController
+from kvcore.bench.ceiling import Ceiling
+from kvcore.bench.queue import QueueCase, _run, _synchronizer
+from kvcore.bench.timing import Clock
+from kvcore.layout import Kind, Layout
+from kvcore.registry import REFERENCE, allocate_host_pool, default_registry
+
+P, LAYERS = 64, 32
+SHAPE = {Kind.MHA: (8, 128), Kind.MLA: (1, 576)}
+
+
+TIMED = ("kvio_write_back", "kvio_load")  # the transfer calls timed inside the library
+
+
+class TimedLibrary:
+    """Stands in for a ctypes library: adds the wall time of each transfer call
+    (:data:`TIMED`) to ``spent`` (seconds, per function), then returns what it returned."""
+
+    def __init__(self, lib: Any) -> None:
+        self.lib = lib
+        self.spent: dict[str, list[float]] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        fn = getattr(self.lib, name)
+        if not name.startswith(TIMED):
+            return fn
+        spent = self.spent.setdefault(name, [])
+
+        def call(*a: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*a)
+            finally:
+                spent.append(time.perf_counter() - t0)
+        return call
+
+
+def loop_queue(op: str, kind: Kind, pages: int, calls: int, indices: str, spare: int,
+               gen: torch.Generator, backend: str, device: torch.device,
+               sync: Any) -> tuple[float, float]:
+    """Median us of one queued ``write()`` (``load()``) and of one made with the device idle:
+    three queues of ``calls`` back-to-back calls after a warm-up queue; writes followed by
+    their acks, each load by ``wait_layer`` of every layer (loads of acks' pages, written
+    before each queue)."""
+    heads, dim = SHAPE[kind]
+    dev = DevicePool.allocate(kind, LAYERS, 2 * pages * P, heads, dim, torch.bfloat16, device, P)
+    for t in dev.all_buffers():
+        t.view(torch.int16).random_(-2**15, 2**15)
+    host = allocate_host_pool(kind, Layout.PAGE_FIRST, LAYERS, calls * pages * P + spare * P,
+                              heads, dim, torch.bfloat16, P, device, backend=backend)
+    ctl = HiCacheController(dev, host, backend=backend)
+    ramp = torch.arange(P)
+    if indices == "same":
+        sets = [torch.arange(pages * P, device=device)]
+    else:
+        sets = [(torch.randperm(2 * pages, generator=gen)[:pages, None] * P + ramp).flatten()
+                .to(device) for _ in range(4)]
+
+    def call(i: int, hosts: list[torch.Tensor]) -> float:
+        t0 = time.perf_counter()
+        if op == "write":
+            ctl.write(sets[i % len(sets)])
+            return time.perf_counter() - t0
+        handle = ctl.load(hosts[i], sets[(i + 1) % len(sets)])
+        spent = time.perf_counter() - t0
+        for layer in range(LAYERS):
+            handle.wait_layer(layer)
+        return spent
+
+    def queue(n: int, paced: bool) -> list[float]:
+        hosts = []
+        if op == "load":
+            hosts = [ctl.write(sets[i % len(sets)]).host_indices for i in range(n)]
+            ctl.wait_acks()
+        sync()
+        times = []
+        for i in range(n):
+            if paced:
+                sync()
+            times.append(call(i, hosts))
+            if paced and op == "write":
+                ctl.wait_acks()  # (a write the library's thread issues: done once acked)
+        sync()
+        for ack in ctl.wait_acks():
+            ctl.free_host(ack.host_indices)
+        for h in hosts:
+            ctl.free_host(h)
+        return times
+
+    queued = [t for rep in range(4) for t in queue(calls, False) if rep]
+    idle = queue(min(calls, 32), True)
+    return 1e6 * statistics.median(queued), 1e6 * statistics.median(idle)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json", help="also write the rows to this file")
+    ap.add_argument("--backend", default="cuda")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--pages", type=int, nargs="*", default=[1, 64])
+    ap.add_argument("--ops", nargs="*", choices=("write", "load"), default=["write", "load"])
+    args = ap.parse_args()
+    registry = default_registry()
+    device = torch.device(args.device)
+    sync = _synchronizer(device)
+    native = getattr(registry.instance(args.backend, device), "lib", None)
+    timed = TimedLibrary(native._lib if native is not None else None)
+    if native is not None:
+        native._lib = timed
+    clock = Clock(device, 1, 3)
+    ceiling = Ceiling(clock, registry.instance(REFERENCE, device).allocate_host)  # type: ignore[attr-defined]
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    print("| op | kind | pages | queue | device indices | host pool | queued us | idle us | "
+          "library call us (median) | library function |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    variants = [("bench", "bench", 0), ("loop", "bench", 0), ("loop", "same", 0),
+                ("loop", "same", 8), ("loop", "bench", 8), ("bench", "bench", 0)]
+    for op in args.ops:
+        prefix = "kvio_write_back" if op == "write" else "kvio_load"
+        for kind in (Kind.MHA, Kind.MLA):
+            for pages in args.pages:
+                calls = 128 if pages == 1 else 8
+                for queue, indices, spare in variants:
+                    for spent in timed.spent.values():
+                        spent.clear()
+                    if queue == "bench":
+                        row = _run(QueueCase(op, kind, Layout.PAGE_FIRST, pages, calls),
+                                   args.backend, registry, device, ceiling, 3, gen)
+                        if row.error is not None:
+                            raise SystemExit(f"bench queue failed: {row.error}")
+                        assert row.cpu_us is not None and row.cpu_idle_us is not None
+                        q, idle = row.cpu_us, row.cpu_idle_us
+                    else:
+                        q, idle = loop_queue(op, kind, pages, calls, indices, spare, gen,
+                                             args.backend, device, sync)
+                    name, spent = max(((n, t) for n, t in timed.spent.items()
+                                       if n.startswith(prefix)),
+                                      key=lambda kv: len(kv[1]), default=("-", []))
+                    inside = 1e6 * statistics.median(spent) if spent else float("nan")
+                    rows.append({"op": op, "kind": kind.value, "pages": pages, "queue": queue,
+                                 "indices": indices, "spare_pages": spare, "queued_us": q,
+                                 "idle_us": idle, "library_us": inside, "function": name})
+                    pool = "exact" if not spare else f"+{spare} pages"
+                    print(f"| {op} | {kind.value} | {pages} | {queue} | {indices} | {pool} | "
+                          f"{q:.1f} | {idle:.1f} | {inside:.1f} | {name} |", flush=True)
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
