@@ -1,7 +1,8 @@
 """Host-slot ownership through the controller against a model, in random order: writes (host
 pages from the controller or taken from its allocator first), acknowledgements, per-layer and
 all-layer loads and frees, each through an ack's own tensor or through another one naming its
-pages (a copy, a slice, a concatenation of two acks), and acks' tensors changed in place.
+pages (a copy, a slice, a concatenation of two acks), acks' tensors changed in place, and
+writes and loads naming a device page past the pool.
 
 The rule the model holds: a load or a free is accepted exactly when every page it names is
 allocated (a free also refuses a page a write-back not yet acknowledged writes, and a page
@@ -82,6 +83,21 @@ class HostSlots(RuleBasedStateMachine):
         if then_acknowledge:
             self.acknowledge()
 
+    @rule(data=st.data(), past_the_end=st.booleans())
+    def write_past_the_pool(self, data: st.DataObject, past_the_end: bool) -> None:
+        """A device index out of range: refused before anything moves, nothing taken (where
+        the host pool has no room for the write, that is what is said)."""
+        good = page_tokens(data.draw(pages_of_a_call), P)
+        bad = DEVICE_PAGES * P + data.draw(st.integers(0, 9)) if past_the_end else -1
+        d = torch.cat([good, torch.full((P,), bad)])
+        state = self.ctl.allocator.state()
+        room = HOST_PAGES - len(self.allocated) >= d.numel() // P
+        with pytest.raises(InvalidIndices if room else AllocatorError,
+                           match=rf"^device_indices: .*got {bad}" if room else "host pool full"):
+            self.ctl.write(d)
+        assert self.ctl.allocator.state() == state and self.ctl.pending_writes == len(
+            self.pending)
+
     @precondition(lambda self: self.pending)
     @rule()
     def acknowledge(self) -> None:
@@ -115,6 +131,12 @@ class HostSlots(RuleBasedStateMachine):
         if not set(pages) <= self.allocated:
             with pytest.raises(InvalidIndices, match=r"^host_indices: .* which is free"):
                 self.ctl.load(h, page_tokens(dst, P), all_layers=all_layers)
+            return
+        if data.draw(st.booleans()):  # one destination page past the pool: refused whole
+            d = page_tokens(dst, P)
+            d[-P:] += (DEVICE_PAGES - dst[-1]) * P
+            with pytest.raises(InvalidIndices, match=r"^device_indices: "):
+                self.ctl.load(h, d, all_layers=all_layers)
             return
         self.ctl.load(h, page_tokens(dst, P), all_layers=all_layers).wait()
         for hp, dp in zip(pages, dst, strict=True):
