@@ -31,6 +31,7 @@ import attrs
 import torch
 
 from kvcore.errors import (
+    AllocatorError,
     ControllerUnusable,
     InvalidArgument,
     InvalidIndices,
@@ -212,7 +213,14 @@ class HiCacheController:
                 self.bound[(0, Op.WRITE_BACK)].check(h, d)
                 self._check_allocated(h)
             else:
-                h, values = self.allocator.alloc_values(d.numel())
+                try:
+                    h, values = self.allocator.alloc_values(d.numel())
+                except AllocatorError:
+                    # a mistake in the call is named before a full pool (freeing pages would
+                    # only lead to it): the device indices against slots that need no check
+                    self.bound[(0, Op.WRITE_BACK)].check(
+                        torch.zeros(d.numel(), dtype=torch.int64), d, host_trusted=True)
+                    raise
                 try:
                     self.bound[(0, Op.WRITE_BACK)].check(h, d, host_trusted=True)
                 except BaseException:

@@ -163,6 +163,27 @@ def test_full_host_pool_refuses_and_changes_nothing(ctl: HiCacheController) -> N
     assert_unchanged(m.device, m.host, before)
 
 
+def test_a_mistake_in_a_write_is_named_before_a_full_host_pool(
+        ctl: HiCacheController) -> None:
+    """With no room for the write, a device index out of range or of the wrong dtype is still
+    what the caller hears (freeing pages would only lead to that error); nothing changes."""
+    m = ctl.members[0]
+    before = snapshot(m.device, m.host)
+    free = ctl.allocator.available_size()
+    state = ctl.allocator.state()
+    too_far = torch.arange(free + PAGE)
+    too_far[-1] = DEVICE_SIZE + 1
+    with pytest.raises(InvalidIndices, match=rf"^device_indices: expected values in "
+                       rf"\[0, {DEVICE_SIZE}\) .* got {DEVICE_SIZE + 1}$"):
+        ctl.write(too_far)
+    with pytest.raises(TensorMismatch, match=r"^device_indices: .*float32"):
+        ctl.write(torch.arange(free + PAGE, dtype=torch.float32))
+    with pytest.raises(AllocatorError, match=r"host pool full"):  # the call itself is right
+        ctl.write(torch.arange(free + PAGE))
+    assert ctl.allocator.state() == state and ctl.pending_writes == 0
+    assert_unchanged(m.device, m.host, before)
+
+
 def test_double_free_of_host_pages_changes_nothing(ctl: HiCacheController) -> None:
     m = ctl.members[0]
     before = snapshot(m.device, m.host)
