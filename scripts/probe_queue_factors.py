@@ -13,6 +13,7 @@ load; MHA or MLA; 1 or 64 pages. Run on a GPU machine:
 
     python scripts/probe_queue_factors.py [--json FILE]
     python scripts/probe_queue_factors.py --backend reference --device cpu --pages 1  # dry run
+    python scripts/probe_queue_factors.py --null   # kvcore's own share, on a machine without GPU
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from kvcore.bench.ceiling import Ceiling
 from kvcore.bench.queue import QueueCase, _run, _synchronizer
 from kvcore.bench.timing import Clock
 from kvcore.layout import Kind, Layout
-from kvcore.registry import REFERENCE, allocate_host_pool, default_registry
+from kvcore.registry import REFERENCE, Registry, allocate_host_pool, default_registry
 
 P, LAYERS = 64, 32
 SHAPE = {Kind.MHA: (8, 128), Kind.MLA: (1, 576)}
@@ -63,7 +64,7 @@ class TimedLibrary:
 
 
 def loop_queue(op: str, kind: Kind, pages: int, calls: int, indices: str, spare: int,
-               gen: torch.Generator, backend: str, device: torch.device,
+               gen: torch.Generator, backend: str, registry: Registry, device: torch.device,
                sync: Any) -> tuple[float, float]:
     """Median us of one queued ``write()`` (``load()``) and of one made with the device idle:
     three queues of ``calls`` back-to-back calls after a warm-up queue; writes followed by
@@ -74,8 +75,9 @@ def loop_queue(op: str, kind: Kind, pages: int, calls: int, indices: str, spare:
     for t in dev.all_buffers():
         t.view(torch.int16).random_(-2**15, 2**15)
     host = allocate_host_pool(kind, Layout.PAGE_FIRST, LAYERS, calls * pages * P + spare * P,
-                              heads, dim, torch.bfloat16, P, device, backend=backend)
-    ctl = HiCacheController(dev, host, backend=backend)
+                              heads, dim, torch.bfloat16, P, device, backend=backend,
+                              registry=registry)
+    ctl = HiCacheController(dev, host, backend=backend, registry=registry)
     ramp = torch.arange(P)
     if indices == "same":
         sets = [torch.arange(pages * P, device=device)]
@@ -119,23 +121,25 @@ def loop_queue(op: str, kind: Kind, pages: int, calls: int, indices: str, spare:
     return 1e6 * statistics.median(queued), 1e6 * statistics.median(idle)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--json", help="also write the rows to this file")
-    ap.add_argument("--backend", default="cuda")
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--pages", type=int, nargs="*", default=[1, 64])
-    ap.add_argument("--ops", nargs="*", choices=("write", "load"), default=["write", "load"])
-    args = ap.parse_args()
-    registry = default_registry()
-    device = torch.device(args.device)
+class NoCeiling:
+    """The bench queue's ceiling where no copy can be timed (the null device): this probe
+    reports CPU times only."""
+
+    class Copy:
+        median_ms = 1.0
+
+    def measure(self, direction: str, nbytes: int) -> Copy:
+        return self.Copy()
+
+
+def table(registry: Registry, backend: str, device: torch.device, ceiling: Any,
+          pages_list: list[int], ops: list[str]) -> list[dict[str, Any]]:
+    """Every factor's row, printed as a markdown table as it comes."""
     sync = _synchronizer(device)
-    native = getattr(registry.instance(args.backend, device), "lib", None)
+    native = getattr(registry.instance(backend, device), "lib", None)
     timed = TimedLibrary(native._lib if native is not None else None)
     if native is not None:
         native._lib = timed
-    clock = Clock(device, 1, 3)
-    ceiling = Ceiling(clock, registry.instance(REFERENCE, device).allocate_host)  # type: ignore[attr-defined]
     gen = torch.Generator().manual_seed(0)
     rows = []
     print("| op | kind | pages | queue | device indices | host pool | queued us | idle us | "
@@ -143,24 +147,24 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|---|")
     variants = [("bench", "bench", 0), ("loop", "bench", 0), ("loop", "same", 0),
                 ("loop", "same", 8), ("loop", "bench", 8), ("bench", "bench", 0)]
-    for op in args.ops:
+    for op in ops:
         prefix = "kvio_write_back" if op == "write" else "kvio_load"
         for kind in (Kind.MHA, Kind.MLA):
-            for pages in args.pages:
+            for pages in pages_list:
                 calls = 128 if pages == 1 else 8
                 for queue, indices, spare in variants:
                     for spent in timed.spent.values():
                         spent.clear()
                     if queue == "bench":
                         row = _run(QueueCase(op, kind, Layout.PAGE_FIRST, pages, calls),
-                                   args.backend, registry, device, ceiling, 3, gen)
+                                   backend, registry, device, ceiling, 3, gen)
                         if row.error is not None:
                             raise SystemExit(f"bench queue failed: {row.error}")
                         assert row.cpu_us is not None and row.cpu_idle_us is not None
                         q, idle = row.cpu_us, row.cpu_idle_us
                     else:
                         q, idle = loop_queue(op, kind, pages, calls, indices, spare, gen,
-                                             args.backend, device, sync)
+                                             backend, registry, device, sync)
                     name, spent = max(((n, t) for n, t in timed.spent.items()
                                        if n.startswith(prefix)),
                                       key=lambda kv: len(kv[1]), default=("-", []))
@@ -171,6 +175,36 @@ def main() -> None:
                     pool = "exact" if not spare else f"+{spare} pages"
                     print(f"| {op} | {kind.value} | {pages} | {queue} | {indices} | {pool} | "
                           f"{q:.1f} | {idle:.1f} | {inside:.1f} | {name} |", flush=True)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json", help="also write the rows to this file")
+    ap.add_argument("--backend", default="cuda")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--pages", type=int, nargs="*", default=[1, 64])
+    ap.add_argument("--ops", nargs="*", choices=("write", "load"), default=["write", "load"])
+    ap.add_argument("--null", action="store_true",
+                    help="kvio_cuda's variants against scripts/null_kvio.c on the meta device "
+                         "(scripts/probe_null_device.py): kvcore's own CPU share, no GPU")
+    args = ap.parse_args()
+    if args.null:
+        import tempfile
+        from pathlib import Path
+
+        from probe_null_device import build_library, null_registry, stand_in_streams
+
+        with tempfile.TemporaryDirectory() as tmp, stand_in_streams("meta", None) as current:
+            registry = null_registry(build_library(Path(tmp)), current)
+            rows = table(registry, "null_cuda", torch.device("meta"), NoCeiling(), args.pages,
+                         args.ops)
+    else:
+        registry = default_registry()
+        device = torch.device(args.device)
+        clock = Clock(device, 1, 3)
+        ceiling = Ceiling(clock, registry.instance(REFERENCE, device).allocate_host)  # type: ignore[attr-defined]
+        rows = table(registry, args.backend, device, ceiling, args.pages, args.ops)
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(rows, f, indent=1)
