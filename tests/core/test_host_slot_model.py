@@ -38,17 +38,22 @@ def host_pages(t: torch.Tensor) -> list[int]:
 
 
 class HostSlots(RuleBasedStateMachine):
+    #: (head_num, head_dim) of each pool pair; more than one makes a pool group (``members``)
+    MEMBERS: tuple[tuple[int, int], ...] = ((2, 8),)
+
     def __init__(self) -> None:
         super().__init__()
         gen = torch.Generator().manual_seed(0x5107)
-        dev, host = make_pools(Kind.MHA, Layout.PAGE_FIRST, num_layers=2, host_pages=HOST_PAGES,
-                               device_size=DEVICE_PAGES * P, head_num=2, head_dim=8,
-                               page_size=P, dtype=torch.bfloat16, registry=reference_only())
-        self.buffers = dev.all_buffers()
+        pairs = [make_pools(Kind.MHA, Layout.PAGE_FIRST, num_layers=2, host_pages=HOST_PAGES,
+                            device_size=DEVICE_PAGES * P, head_num=heads, head_dim=dim,
+                            page_size=P, dtype=torch.bfloat16, registry=reference_only())
+                 for heads, dim in self.MEMBERS]
+        self.buffers = [t for dev, _ in pairs for t in dev.all_buffers()]
         for t in self.buffers:
             random_fill(t, gen)
-        poison(host.buffer)
-        self.ctl = HiCacheController(dev, host, registry=reference_only())
+        for _, host in pairs:
+            poison(host.buffer)
+        self.ctl = HiCacheController(*pairs[0], registry=reference_only(), members=pairs[1:])
         self.device = [t.clone() for t in self.buffers]  # what the device pool must hold
         self.content: dict[int, list[torch.Tensor]] = {}  # host page -> its rows, per buffer
         self.allocated: set[int] = set()
@@ -190,6 +195,16 @@ class HostSlots(RuleBasedStateMachine):
         assert self.ctl.usable
 
 
+class HostSlotsOfAGroup(HostSlots):
+    """The same through a pool group: a second pool pair of other heads shares the host
+    slots (every write and load moves both)."""
+
+    MEMBERS = ((2, 8), (1, 16))
+
+
+SETTINGS = settings(max_examples=150, stateful_step_count=30, deadline=None,
+                    suppress_health_check=[HealthCheck.too_slow])
 TestHostSlots = HostSlots.TestCase
-TestHostSlots.settings = settings(max_examples=150, stateful_step_count=30, deadline=None,
-                                  suppress_health_check=[HealthCheck.too_slow])
+TestHostSlots.settings = SETTINGS
+TestHostSlotsOfAGroup = HostSlotsOfAGroup.TestCase
+TestHostSlotsOfAGroup.settings = settings(SETTINGS, max_examples=60)
