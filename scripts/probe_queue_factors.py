@@ -107,8 +107,9 @@ def loop_queue(op: str, kind: Kind, pages: int, calls: int, indices: str, spare:
             if paced:
                 sync()
             times.append(call(i, hosts))
-            if paced and op == "write":
-                ctl.wait_acks()  # (a write the library's thread issues: done once acked)
+            if paced and op == "write":  # (a write the library's thread issues: done once acked)
+                for ack in ctl.wait_acks():
+                    ctl.free_host(ack.host_indices)
         sync()
         for ack in ctl.wait_acks():
             ctl.free_host(ack.host_indices)
