@@ -66,13 +66,13 @@ int main() {
     const WaitFn wait_value = reinterpret_cast<WaitFn>(wait_sym);
 
     const size_t kRun = size_t(1) << 20;
-    auto batch = [&](int n) {
+    auto batch = [&](int n, size_t run) {
         std::vector<void*> d(n);
         std::vector<const void*> src(n);
-        std::vector<size_t> sz(n, kRun);
+        std::vector<size_t> sz(n, run);
         for (int i = 0; i < n; ++i) {
-            d[i] = host + 2 * i * kRun;
-            src[i] = dev + 2 * i * kRun;
+            d[i] = host + 2 * i * run;
+            src[i] = dev + 2 * i * run;
         }
         cudaMemcpyAttributes attr = {};
         attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
@@ -103,9 +103,22 @@ int main() {
          [&] { CK(cudaMemcpyAsync(host, dev, kRun, cudaMemcpyDeviceToHost, s)); }},
         {"cudaMemcpyAsync H2D 1 MiB",
          [&] { CK(cudaMemcpyAsync(dev, host, kRun, cudaMemcpyHostToDevice, s)); }},
-        {"cudaMemcpyBatchAsync D2H, 1 run", [&] { batch(1); }},
-        {"cudaMemcpyBatchAsync D2H, 4 runs", [&] { batch(4); }},
-        {"cudaMemcpyBatchAsync D2H, 16 runs", [&] { batch(16); }},
+        // does a copy's CPU cost grow with its bytes? (a one-page MHA write-back copies two
+        // runs of 4 MiB, an MLA one a run of 2.25 MiB; h100-2026-12-05c)
+        {"cudaMemcpyAsync D2H 64 KiB",
+         [&] { CK(cudaMemcpyAsync(host, dev, kRun / 16, cudaMemcpyDeviceToHost, s)); }},
+        {"cudaMemcpyAsync D2H 2 MiB",
+         [&] { CK(cudaMemcpyAsync(host, dev, 2 * kRun, cudaMemcpyDeviceToHost, s)); }},
+        {"cudaMemcpyAsync D2H 8 MiB",
+         [&] { CK(cudaMemcpyAsync(host, dev, 8 * kRun, cudaMemcpyDeviceToHost, s)); }},
+        {"cudaMemcpyAsync D2H 32 MiB",
+         [&] { CK(cudaMemcpyAsync(host, dev, 32 * kRun, cudaMemcpyDeviceToHost, s)); }},
+        {"cudaMemcpyBatchAsync D2H, 1 run of 8 MiB", [&] { batch(1, 8 * kRun); }},
+        {"cudaMemcpyBatchAsync D2H, 2 runs of 4 MiB", [&] { batch(2, 4 * kRun); }},
+        {"cudaMemcpyBatchAsync D2H, 1 run of 2.25 MiB", [&] { batch(1, 9 * kRun / 4); }},
+        {"cudaMemcpyBatchAsync D2H, 1 run", [&] { batch(1, kRun); }},
+        {"cudaMemcpyBatchAsync D2H, 4 runs", [&] { batch(4, kRun); }},
+        {"cudaMemcpyBatchAsync D2H, 16 runs", [&] { batch(16, kRun); }},
         {"cudaMemsetAsync 132 B", [&] { CK(cudaMemsetAsync(counters, 0, 132, s)); }},
         {"cudaEventRecord", [&] { CK(cudaEventRecord(ev, s)); }},
         {"cudaStreamWaitEvent", [&] { CK(cudaStreamWaitEvent(s, ev, 0)); }},
