@@ -19,6 +19,7 @@ load; MHA or MLA; 1 or 64 pages. Run on a GPU machine:
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import time
@@ -122,6 +123,22 @@ def loop_queue(op: str, kind: Kind, pages: int, calls: int, indices: str, spare:
     return 1e6 * statistics.median(queued), 1e6 * statistics.median(idle)
 
 
+def positions(spent: list[float], calls: int) -> dict[str, float]:
+    """Median us of the library call by position in a loop queue (its three timed queues,
+    after the warm-up queue; a call that grows with its position waits for room in the
+    device's queues, i.e. for the device)."""
+    timed = spent[calls:4 * calls]
+    if len(timed) < 3 * calls:
+        return {}
+    edges = [e for e in (0, 4, 16, 32, 64, calls) if e <= calls]
+    out = {}
+    for lo, hi in itertools.pairwise(edges):
+        part = [timed[r * calls + i] for r in range(3) for i in range(lo, hi)]
+        if part:
+            out[f"[{lo},{hi})"] = 1e6 * statistics.median(part)
+    return out
+
+
 class NoCeiling:
     """The bench queue's ceiling where no copy can be timed (the null device): this probe
     reports CPU times only."""
@@ -144,8 +161,8 @@ def table(registry: Registry, backend: str, device: torch.device, ceiling: Any,
     gen = torch.Generator().manual_seed(0)
     rows = []
     print("| op | kind | pages | queue | device indices | host pool | queued us | idle us | "
-          "library call us (median) | library function |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "library call us (median) | library function | library call us by queue position |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     variants = [("bench", "bench", 0), ("loop", "bench", 0), ("loop", "same", 0),
                 ("loop", "same", 8), ("loop", "bench", 8), ("bench", "bench", 0)]
     for op in ops:
@@ -170,12 +187,16 @@ def table(registry: Registry, backend: str, device: torch.device, ceiling: Any,
                                        if n.startswith(prefix)),
                                       key=lambda kv: len(kv[1]), default=("-", []))
                     inside = 1e6 * statistics.median(spent) if spent else float("nan")
+                    by_position = positions(spent, calls) if queue == "loop" else {}
                     rows.append({"op": op, "kind": kind.value, "pages": pages, "queue": queue,
                                  "indices": indices, "spare_pages": spare, "queued_us": q,
-                                 "idle_us": idle, "library_us": inside, "function": name})
+                                 "idle_us": idle, "library_us": inside, "function": name,
+                                 "library_us_by_position": by_position})
                     pool = "exact" if not spare else f"+{spare} pages"
                     print(f"| {op} | {kind.value} | {pages} | {queue} | {indices} | {pool} | "
-                          f"{q:.1f} | {idle:.1f} | {inside:.1f} | {name} |", flush=True)
+                          f"{q:.1f} | {idle:.1f} | {inside:.1f} | {name} | "
+                          + ", ".join(f"{k} {v:.1f}" for k, v in by_position.items()) + " |",
+                          flush=True)
     return rows
 
 
