@@ -8,7 +8,10 @@ loads each followed by ``wait_layer`` of every layer on the caller's stream, and
 
 - ``ratio``: the end-to-end rate (bytes of all calls over the wall time from the first call
   to the last completion) over one contiguous copy of one call's bytes between the same
-  memories, measured in the same run (the bench's ceiling);
+  memories, measured in the same run (the bench's ceiling: sampled before and after each
+  queue, as around each kernel-path case, and the fastest sample of that size in the run
+  kept; one sample per size let a copy timed slow lift rows of up to 64 MiB to 1.16-1.30,
+  h100-2026-12-05c);
 - ``cpu_us``: the median CPU time of one ``write()`` or ``load()`` call, and ``wait_us``
   that of the ``wait_layer`` calls after one load (all layers together);
 - ``caller_share`` (the tables' ``caller busy``): those CPU times over the wall time per
@@ -255,11 +258,13 @@ def _run(case: QueueCase, backend: str, registry: Registry, device: torch.device
         return cpu
 
     one_queue()  # warm-up: first-use allocations, lazy library loads
+    ceiling.sample(case.direction, case.bytes_per_call)
     runs = [one_queue() for _ in range(repeats)]
     idle = paced(min(case.calls, PACED_CALLS))
+    ceiling.sample(case.direction, case.bytes_per_call)
     best = min(runs, key=lambda r: r[0])
     slowest = max(r[0] for r in runs)
-    ceil = ceiling.measure(case.direction, case.bytes_per_call)
+    ceil = ceiling.measure(case.direction, case.bytes_per_call)  # the fastest sample so far
     return QueueRow(
         case, backend, ms_per_call=1e3 * best[0] / case.calls, ceiling_ms=ceil.median_ms,
         cpu_us=1e6 * statistics.median(c for r in runs for c in r[1]),

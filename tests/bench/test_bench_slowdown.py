@@ -153,3 +153,24 @@ def test_the_references_own_spread_does_not_retime(monkeypatch: pytest.MonkeyPat
     assert all(r.attempts == 1 for r in result.rows)
     assert [r.timing.spread_pct > 5 for r in result.rows if r.backend == REFERENCE] == [True] * 3
     assert "host:" not in report.text_table(result)
+
+
+@pytest.mark.parametrize("slow", [{0}, {1}])
+def test_a_controller_row_divides_by_the_fastest_copy_of_its_size(
+        monkeypatch: pytest.MonkeyPatch, slow: set[int]) -> None:
+    """One copy timed slow (before the queue or after it) must not become the yardstick: a
+    single sample per size let a slow copy lift controller rows above 1 (h100-2026-12-05c)."""
+    from kvcore.bench.queue import QueueCase, run_queue
+    from kvcore.layout import Layout
+
+    copies = scripted_copies(monkeypatch, slow=slow)
+    reference = default_registry().instance(REFERENCE, CPU)
+    ceiling = Ceiling(Clock(CPU, 0, 1), reference.allocate_host)  # type: ignore[attr-defined]
+    gen = torch.Generator().manual_seed(0)
+    for op in ("write", "load"):
+        row = run_queue(QueueCase(op, Kind.MLA, Layout.PAGE_FIRST, 1, 4, page_size=4,
+                                  num_layers=2), REFERENCE, default_registry(), CPU, ceiling, 1,
+                        gen)
+        assert row.error is None, row.error
+        assert row.ceiling_ms == 1.0  # the fast copy, wherever the slow one fell
+    assert len(copies) == 4  # each row samples its size before and after its queue
