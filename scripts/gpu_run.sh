@@ -27,6 +27,7 @@
 # scripts/probe_null_device.py (needs cc; its stand-ins cost more than the CUDA path under the
 # GPU image's torch, so compare it only with itself, h100-2026-12-05b) and each runtime call's
 # CPU cost in C (scripts/probe_runtime_calls.cu): what the machine, not the code, costs.
+# ceiling_spread: how much the bench's ceiling copy moves between samples, fresh buffers or not.
 # runtime_calls: scripts/probe_runtime_calls.cu alone (copies of 64 KiB to 32 MiB too).
 # queue_factors: scripts/probe_queue_factors.py (why the bench's queues of controller calls cost
 # the caller more than probe_call_parts' on one machine: one factor changed at a time).
@@ -150,6 +151,9 @@ probe_hybrid)  # a page_first per-layer load by the SMs and the copy engine at o
 host_share)  # this machine's CPU: the null-device probe and each runtime call in C
     step null_device 180 $PY scripts/probe_null_device.py --calls 2000 --pages 1 64
     cuda_probe runtime_calls scripts/probe_runtime_calls.cu 60
+    ;;
+ceiling_spread)  # the bench's ceiling copy sampled again and again (scripts/probe_ceiling_spread.py)
+    step ceiling_spread 150 $PY scripts/probe_ceiling_spread.py
     ;;
 runtime_calls)  # each runtime call's CPU cost in C alone (host_share without the null device)
     cuda_probe runtime_calls scripts/probe_runtime_calls.cu 60
