@@ -9,9 +9,9 @@ loads each followed by ``wait_layer`` of every layer on the caller's stream, and
 - ``ratio``: the end-to-end rate (bytes of all calls over the wall time from the first call
   to the last completion) over one contiguous copy of one call's bytes between the same
   memories, measured in the same run (the bench's ceiling: sampled before and after each
-  queue, as around each kernel-path case, and the fastest sample of that size in the run
-  kept; one sample per size let a copy timed slow lift rows of up to 64 MiB to 1.16-1.30,
-  h100-2026-12-05c);
+  queue, as around each kernel-path case, and once more after the last queue; each row
+  divides by the fastest sample of its size in the run. One sample per size let a copy timed
+  slow lift rows of up to 64 MiB to 1.16-1.30, h100-2026-12-05c);
 - ``cpu_us``: the median CPU time of one ``write()`` or ``load()`` call, and ``wait_us``
   that of the ``wait_layer`` calls after one load (all layers together);
 - ``caller_share`` (the tables' ``caller busy``): those CPU times over the wall time per
@@ -326,4 +326,22 @@ def run_all(registry: Registry, device: torch.device, backends: list[str],
             if advance is not None:
                 advance(f"controller {backend} {case.op} {case.kind.value} "
                         f"{case.layout.value} {case.pages}p")
+    _sample_ceilings_again(rows, ceiling)
     return rows
+
+
+def _sample_ceilings_again(rows: list[QueueRow], ceiling: Ceiling) -> None:
+    """Every row's size sampled once more after the last queue, and each row given the
+    fastest copy of its size in the run: a host-to-device copy can run 5-25% slow for several
+    samples in a row (h100-2026-12-05c), so the two samples around a queue may both fall in
+    such a phase."""
+    fastest: dict[tuple[str, int], float] = {}
+    for i, row in enumerate(rows):
+        if row.ceiling_ms is None:
+            continue
+        direction, nbytes = row.case.direction, row.case.bytes_per_call
+        key = (ceiling.label(direction), nbytes)  # (on a CPU both directions are a memcpy)
+        if key not in fastest:
+            fastest[key] = ceiling.measure(direction, nbytes, again=True).median_ms
+        if fastest[key] < row.ceiling_ms:
+            rows[i] = attrs.evolve(row, ceiling_ms=fastest[key])

@@ -174,3 +174,19 @@ def test_a_controller_row_divides_by_the_fastest_copy_of_its_size(
         assert row.error is None, row.error
         assert row.ceiling_ms == 1.0  # the fast copy, wherever the slow one fell
     assert len(copies) == 4  # each row samples its size before and after its queue
+
+
+def test_controller_rows_take_the_sample_after_the_last_queue_where_it_is_faster(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both samples around a queue can fall in one slow phase of the copy engine: every size
+    is sampled once more after the last queue."""
+    from kvcore.bench.queue import QueueCase, run_all
+    from kvcore.layout import Layout
+
+    copies = scripted_copies(monkeypatch, slow={0, 1, 2, 3})  # every sample around the queues
+    cases = [QueueCase(op, Kind.MLA, Layout.PAGE_FIRST, 1, 4, page_size=4, num_layers=2)
+             for op in ("write", "load")]
+    rows = run_all(default_registry(), CPU, [REFERENCE], cases, 0, 1, 0)
+    assert [r.error for r in rows] == [None, None]
+    assert len(copies) == 5  # two per queue, then one for their single size (a CPU memcpy)
+    assert [r.ceiling_ms for r in rows] == [1.0, 1.0]
