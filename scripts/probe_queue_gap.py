@@ -1,9 +1,10 @@
 """Where a queue of per-layer loads loses time against its copies: the controller's queue
 (load() then wait_layer() of every layer, as `kvio bench --through controller` times it) next
 to the same loads with parts of the path taken away, and the library's own CPU cost per call.
-MHA, 32 layers, 8 x 128 bf16, page_first, 64-token pages. Run on a GPU machine:
+MHA (32 layers, 8 x 128 bf16) or MLA (576 elements, ``--kind mla``), page_first, 64-token
+pages. Run on a GPU machine:
 
-    python scripts/probe_queue_gap.py [--pages 1,4,16] [--calls 64]
+    python scripts/probe_queue_gap.py [--pages 1,4,16] [--calls 64] [--kind mla]
 
 Rows (ms per call over a queue, and its ratio to one contiguous copy of the same bytes):
   controller          load() + 32 wait_layer(), the bench's row
@@ -34,6 +35,7 @@ from kvcore.native_abi import NativeLibrary
 from kvcore.registry import allocate_host_pool
 
 P, L = 64, 32
+SHAPE = {"mha": (8, 128), "mla": (1, 576)}  # heads, head dim
 CALLS: dict[str, tuple[Any, ...]] = {}
 
 
@@ -82,27 +84,29 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--pages", default="1,4,16")
     ap.add_argument("--calls", type=int, default=64)
+    ap.add_argument("--kind", choices=sorted(SHAPE), default="mha")
     ap.add_argument("--rows-only", action="store_true",
                     help="only the queue rows (no library timings, no flag experiments)")
     args = ap.parse_args()
     spy_unchecked()
     for pages in (int(p) for p in args.pages.split(",")):
-        probe(pages, max(8, args.calls // pages), args.rows_only)
+        probe(pages, max(8, args.calls // pages), args.rows_only, args.kind)
 
 
-def probe(pages: int, calls: int, rows_only: bool = False) -> None:
+def probe(pages: int, calls: int, rows_only: bool = False, kind: str = "mha") -> None:
     n = pages * P
-    dev = DevicePool.allocate("mha", L, 4 * n, 8, 128, torch.bfloat16, "cuda", P)
+    heads, dim = SHAPE[kind]
+    dev = DevicePool.allocate(kind, L, 4 * n, heads, dim, torch.bfloat16, "cuda", P)
     for t in dev.all_buffers():
         t.view(torch.int16).random_(-2**15, 2**15)
-    host = allocate_host_pool("mha", "page_first", L, calls * n, 8, 128, torch.bfloat16, P,
+    host = allocate_host_pool(kind, "page_first", L, calls * n, heads, dim, torch.bfloat16, P,
                               "cuda")
     ctl = HiCacheController(dev, host)
     sets = [(torch.randperm(4 * pages)[:pages, None] * P + torch.arange(P)).flatten()
             .cuda() for _ in range(4)]
     hosts = [ctl.write(sets[i % 4]).host_indices for i in range(calls)]
     ctl.wait_acks()
-    nbytes = 2 * L * n * 8 * 128 * 2
+    nbytes = (2 if kind == "mha" else 1) * L * n * heads * dim * 2
     ceil = ceiling_ms(nbytes)
     rows: list[tuple[str, float]] = []
 
@@ -137,7 +141,7 @@ def probe(pages: int, calls: int, rows_only: bool = False) -> None:
         b.synchronize()
         kernel.append(a.elapsed_time(b))
     rows.append(("kernel time", statistics.median(kernel)))
-    print(f"== {pages} page(s), {nbytes >> 20} MiB per call, {calls} calls, ceiling "
+    print(f"== {kind}, {pages} page(s), {nbytes / 2**20:g} MiB per call, {calls} calls, ceiling "
           f"{ceil:.4f} ms ({ll.support.variant})")
     for name, ms in rows:
         print(f"  {name:22s} {ms:8.4f} ms/call  ratio {ceil / ms:.3f}")
