@@ -260,6 +260,22 @@ def flag_waits(load: Any, caller: Any, launch: Any, wait: Any, a: tuple[Any, ...
         ms = queue_ms(same_flag, calls)
         print(f"  raw signaled, flags {where:6s} 32 waits on the last flag      "
               f"{ms:8.4f} ms/call  ratio {ceil / ms:.3f}")
+        end = torch.cuda.Event()
+
+        def end_event(i: int) -> None:  # the caller waits for an event after the kernel
+            epoch[0] += 1
+            e = epoch[0]
+            event.record(caller)
+            load.wait_event(event)
+            args = list(a)
+            args[10], args[11], args[12], args[13] = counters.data_ptr(), base, e, ls
+            assert launch(*args) == 0
+            end.record(load)
+            caller.wait_event(end)
+
+        ms = queue_ms(end_event, calls)
+        print(f"  raw signaled, flags {where:6s} 1 event wait instead, fence  "
+              f"{ms:8.4f} ms/call  ratio {ceil / ms:.3f}")
         e = epoch[0]
         us = device_us(caller, lambda: [wait(base + 4 * la, e, cs) for la in range(L)])
         print(f"  device time of 32 satisfied flag waits ({where}): {us:6.1f} us")
