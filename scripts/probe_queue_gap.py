@@ -229,7 +229,9 @@ def flag_waits(load: Any, caller: Any, launch: Any, wait: Any, a: tuple[Any, ...
         base = flags.data_ptr()
         epoch = [0]
 
-        def one(i: int, waits: int, fence: bool) -> None:
+        def launch_one(fence: bool) -> int:
+            """One signaled launch on the load stream (after the caller's stream where
+            ``fence``); its epoch."""
             epoch[0] += 1
             e = epoch[0]
             if fence:
@@ -238,6 +240,10 @@ def flag_waits(load: Any, caller: Any, launch: Any, wait: Any, a: tuple[Any, ...
             args = list(a)
             args[10], args[11], args[12], args[13] = counters.data_ptr(), base, e, ls
             assert launch(*args) == 0
+            return e
+
+        def one(i: int, waits: int, fence: bool) -> None:
+            e = launch_one(fence)
             for layer in range(L - waits, L):
                 assert wait(base + 4 * layer, e, cs) == 0
 
@@ -247,13 +253,7 @@ def flag_waits(load: Any, caller: Any, launch: Any, wait: Any, a: tuple[Any, ...
                   f"{ms:8.4f} ms/call  ratio {ceil / ms:.3f}")
 
         def same_flag(i: int) -> None:  # 32 waits, all for the last layer's flag
-            epoch[0] += 1
-            e = epoch[0]
-            event.record(caller)
-            load.wait_event(event)
-            args = list(a)
-            args[10], args[11], args[12], args[13] = counters.data_ptr(), base, e, ls
-            assert launch(*args) == 0
+            e = launch_one(True)
             for _ in range(L):
                 assert wait(base + 4 * (L - 1), e, cs) == 0
 
@@ -263,13 +263,7 @@ def flag_waits(load: Any, caller: Any, launch: Any, wait: Any, a: tuple[Any, ...
         end = torch.cuda.Event()
 
         def end_event(i: int) -> None:  # the caller waits for an event after the kernel
-            epoch[0] += 1
-            e = epoch[0]
-            event.record(caller)
-            load.wait_event(event)
-            args = list(a)
-            args[10], args[11], args[12], args[13] = counters.data_ptr(), base, e, ls
-            assert launch(*args) == 0
+            launch_one(True)
             end.record(load)
             caller.wait_event(end)
 
