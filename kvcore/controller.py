@@ -144,12 +144,14 @@ class HiCacheController:
         self.write_stream = new_stream(self.device)
         self.load_stream = new_stream(self.device)
         self._fence = Fence(self.device)
-        # host index tensors this controller's allocator made (an ack's): handed back to load()
-        # or free_host() still holding those values, their pages are allocated and need no
+        # host index tensors this controller's allocator made (an ack's) since pages were last
+        # freed through any other tensor: handed back to load() or free_host() still holding
+        # those values, their pages are allocated (no two of them share a page) and need no
         # check again
         self._issued = CheckedTensors()
-        # what _issued held before free_host() last freed pages through another tensor (some
-        # may be theirs): values still vouched for, their pages checked again on first use
+        # what _issued held before that free: values still vouched for, but their pages may
+        # have been freed and handed to a later ack, so they are checked on every use, and a
+        # free through one of them may free a later ack's page
         self._issued_before = CheckedTensors()
         self._health = Health()
         self._writes = WriteQueue(self.allocator, self.write_stream, self._health, rounds)
@@ -271,18 +273,20 @@ class HiCacheController:
         any other tensor is (whole pages, in range, each once). A page that is not allocated,
         or that a write-back not yet acknowledged writes, is refused with AllocatorError and
         nothing freed. Pages freed through another tensor than the ack's (a copy, a
-        concatenation) may be any ack's: the next load of each earlier ack checks its pages
-        again."""
+        concatenation, or an earlier ack's whose pages were freed that way and may since
+        belong to a later ack) may be any ack's: from then on, loads of every earlier ack check
+        its pages."""
         with self._lock:
-            # an ack's own tensor (the allocator still refuses its pages if they are free)
-            own = host_indices in self._issued or host_indices in self._issued_before
-            self.allocator.free(host_indices, checked=own, name="host_indices",
+            current = host_indices in self._issued
+            # values the allocator made (it still refuses pages that are free)
+            vouched = current or host_indices in self._issued_before
+            self.allocator.free(host_indices, checked=vouched, name="host_indices",
                                 in_use=self._writes.holding if len(self._writes) else None)
             # freed pages may be handed out again: a load of this tensor is checked again
             self._issued.discard(host_indices)
             if self._issued_before:
                 self._issued_before.discard(host_indices)
-            if not own:  # the pages of any ack's tensor may be among them
+            if not current:  # the pages of any ack's tensor may be among them
                 self._issued_before, self._issued = self._issued, CheckedTensors()
 
     # -- load ------------------------------------------------------------------------------
@@ -302,14 +306,13 @@ class HiCacheController:
             op = Op.LOAD_ALL if all_layers else Op.LOAD_LAYER
             issued = host_indices in self._issued
             # made by the allocator before another tensor freed pages: its values hold, but
-            # its pages are checked again (once: then it is vouched for again)
+            # its pages are checked (they may have been freed and handed to a later ack, so
+            # it is never vouched for again: a free through it could free that ack's pages)
             before = not issued and host_indices in self._issued_before
             h, d = self.bound[(0, op)].check(host_indices, device_indices,
                                              host_trusted=issued or before)
             if not issued:
                 self._check_allocated(h)
-                if before:
-                    self._issued.add(h)
             try:
                 subs = self._submit(op, self.load_stream, h, d)
             except BaseException as exc:

@@ -99,7 +99,7 @@ def test_pages_freed_through_another_tensor_are_refused_to_a_load_of_the_ack_s_o
         assert torch.equal(t.view(torch.uint8), b.view(torch.uint8))
     with pytest.raises(AllocatorError, match="free"):
         ctl.free_host(first.host_indices)  # freed already, through the copy
-    # the others' pages are still theirs: loaded (their pages checked once), then freed
+    # the others' pages are still theirs: loaded (their pages checked), then freed
     # through one tensor naming both
     ctl.load(second.host_indices, torch.arange(16, 20)).wait()
     for t in ctl.members[0].device.all_buffers():  # written from 4..7, loaded into 16..19
@@ -114,6 +114,33 @@ def test_pages_freed_through_another_tensor_are_refused_to_a_load_of_the_ack_s_o
     ctl.wait_acks()
     ctl.load(fourth.host_indices, torch.arange(20, 24)).wait()
     ctl.free_host(fourth.host_indices)
+    assert ctl.allocator.available_size() == ctl.allocator.size
+
+
+@pytest.mark.parametrize("stale_use", ["free", "load then free"])
+def test_a_stale_ack_freeing_a_page_handed_out_again_unvouches_its_new_owner(
+        ctl: HiCacheController, stale_use: str) -> None:
+    """An ack whose pages were freed through another tensor may name a page handed out again
+    to a later ack. Freeing that page through the old ack's tensor (loaded first or not) must
+    cost the later ack its unchecked loads: loaded, it is refused as a free page (found by
+    tests/core/test_host_slot_model.py in a pool group)."""
+    first = ctl.write(torch.arange(0, P))
+    assert ctl.wait_acks() == [first]
+    ctl.free_host(first.host_indices.clone())  # through another tensor
+    later = ctl.write(torch.arange(4, 4 + P))  # gets the page `first` names
+    assert ctl.wait_acks() == [later]
+    assert later.host_indices.tolist() == first.host_indices.tolist()
+    if stale_use == "load then free":  # the page is allocated (to `later`): accepted
+        ctl.load(first.host_indices, torch.arange(16, 16 + P)).wait()
+    ctl.free_host(first.host_indices)  # frees `later`'s page
+    dev_before = [t.clone() for t in ctl.members[0].device.all_buffers()]
+    for all_layers in (False, True):
+        with pytest.raises(InvalidIndices, match=r"^host_indices: .* which is free"):
+            ctl.load(later.host_indices, torch.arange(20, 20 + P), all_layers=all_layers)
+    for t, b in zip(ctl.members[0].device.all_buffers(), dev_before, strict=True):
+        assert torch.equal(t.view(torch.uint8), b.view(torch.uint8))
+    with pytest.raises(AllocatorError, match="free"):
+        ctl.free_host(later.host_indices)
     assert ctl.allocator.available_size() == ctl.allocator.size
 
 
