@@ -282,11 +282,9 @@ class HiCacheController:
             vouched = current or host_indices in self._issued_before
             self.allocator.free(host_indices, checked=vouched, name="host_indices",
                                 in_use=self._writes.holding if len(self._writes) else None)
-            # freed pages may be handed out again: a load of this tensor is checked again
-            self._issued.discard(host_indices)
-            if self._issued_before:
-                self._issued_before.discard(host_indices)
-            if not current:  # the pages of any ack's tensor may be among them
+            if current:  # freed pages may be handed out again: its loads are checked again
+                self._issued.discard(host_indices)
+            else:  # the pages of any ack's tensor may be among them (this one's set is dropped)
                 self._issued_before, self._issued = self._issued, CheckedTensors()
 
     # -- load ------------------------------------------------------------------------------
