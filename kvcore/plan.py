@@ -40,7 +40,7 @@ from kvcore.errors import (
 from kvcore.layout import Kind, Layout, Op, page_block_contiguous, page_contiguous
 from kvcore.placement import IndexRing, fits, place, stream_key
 from kvcore.pools import DevicePool, HostPool
-from kvcore.signals import WAIT_CURRENT
+from kvcore.signals import ENDS_WITH, WAIT_CURRENT
 from kvcore.streams import Fence, current_stream, has_streams, on_stream, recorded_event
 from kvcore.validate import (
     CheckedTensors,
@@ -511,6 +511,9 @@ class BoundPlan:
                     "so a job for every layer must return LayerSignals (wait_layer, "
                     f"check); it returned {type(signals).__name__}")
             event = recorded_event(self.device, s)
+            ends_with = getattr(signals, ENDS_WITH, None)
+            if ends_with is not None and event is not None:
+                ends_with(event)
             return Submission({}, event, [(None, signals)], one=signals,
                               layers=self.num_layers)
         waits: dict[int, Any] = {}

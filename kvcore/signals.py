@@ -37,6 +37,12 @@ class LayerSignals(Protocol):
 #: controller's ``wait_layer`` then calls it instead of looking the stream up itself
 WAIT_CURRENT = "wait_layer_current"
 
+#: LayerSignals may also offer ``ends_with(event)``: the plan hands it the event it recorded on
+#: the load's stream right after the job, and a wait may then wait for that event instead of
+#: a layer's own signal where that event comes no later (the last layers): a stream-side
+#: event wait resolves inside the device, where a wait for a flag polls memory
+ENDS_WITH = "ends_with"
+
 
 class EventLayerSignals:
     """LayerSignals from one stream event per layer, recorded after each layer's work: what a

@@ -8,9 +8,14 @@ pages. Run on a GPU machine:
 
 Rows (ms per call over a queue, and its ratio to one contiguous copy of the same bytes):
   controller          load() + 32 wait_layer(), the bench's row
+  controller, flag waits  the same, the last group's wait on its flag, not on the event after
+                      the launch (as before NativeLayerSignals.ends_with)
   controller, 1 wait  load() + wait_layer(last): the caller's stream waits once
   no waits            load() alone: nothing on the caller's stream, the loads follow each other
   signaled, placed    the plan's submit on the load stream, indices placed, no fence, no waits
+  placed, fenced      the same, ordered after the caller's stream (the controller's fence)
+  uploaded, no fence  the same with the CPU host indices uploaded through the index ring, as
+                      the controller's
   kernel time         device time of one signaled launch (events around it, median)
 
 Then the signaled kernel alone (library calls, indices placed) in the controller's pattern:
@@ -31,6 +36,7 @@ import torch
 
 from kvcore import DevicePool, HiCacheController
 from kvcore.layout import Op
+from kvcore.native import NativeLayerSignals
 from kvcore.native_abi import NativeLibrary
 from kvcore.registry import allocate_host_pool
 
@@ -122,6 +128,12 @@ def probe(pages: int, calls: int, rows_only: bool = False, kind: str = "mha") ->
         ctl.load(hosts[i], sets[(i + 1) % 4])
 
     rows.append(("controller", queue_ms(load_waits, calls)))
+    ends_with = NativeLayerSignals.ends_with
+    NativeLayerSignals.ends_with = lambda self, event: None  # type: ignore[method-assign]
+    try:
+        rows.append(("controller, flag waits", queue_ms(load_waits, calls)))
+    finally:
+        NativeLayerSignals.ends_with = ends_with  # type: ignore[method-assign]
     rows.append(("controller, 1 wait", queue_ms(load_one_wait, calls)))
     rows.append(("no waits", queue_ms(load_only, calls)))
     ll = ctl.bound[(0, Op.LOAD_LAYER)]
@@ -132,6 +144,16 @@ def probe(pages: int, calls: int, rows_only: bool = False, kind: str = "mha") ->
         ll.submit(*placed[i], stream=s, check=False)
 
     rows.append(("signaled, placed", queue_ms(signaled, calls)))
+    caller = torch.cuda.current_stream()
+
+    def placed_fenced(i: int) -> None:
+        ll.submit(*placed[i], stream=s, after=caller, check=False)
+
+    def uploaded(i: int) -> None:  # CPU host indices through the ring's upload, no fence
+        ll.submit(hosts[i], sets[(i + 1) % 4], stream=s, check=False)
+
+    rows.append(("placed, fenced", queue_ms(placed_fenced, calls)))
+    rows.append(("uploaded, no fence", queue_ms(uploaded, calls)))
     kernel = []
     for i in range(calls):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

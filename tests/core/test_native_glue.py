@@ -476,6 +476,61 @@ def test_a_wait_for_a_landed_layer_is_skipped_even_where_its_group_is_not_in() -
     assert lib.calls == [("wait", (buf.flags + 12, signals.epoch, 7))]
 
 
+class WaitedEvent:
+    """Stands for the event a plan records after a signaled launch: records each wait."""
+
+    def __init__(self) -> None:
+        self.waits: list[Any] = []
+
+    def wait(self, stream: Any = None) -> None:
+        self.waits.append(stream)
+
+
+def test_the_last_groups_wait_goes_to_the_event_after_the_launch_once_per_stream() -> None:
+    from kvcore.testing.stand_in_streams import stand_in_streams
+
+    backend, lib, job = _grouping_rig(group=2, layers=5)
+    signals = backend.run(job)
+    end = WaitedEvent()
+    signals.ends_with(end)
+    lib.calls.clear()
+    flags, e = signals._flags, signals.epoch
+    backend.current = 7
+    with stand_in_streams("cpu") as current:
+        for layer in range(5):
+            signals.wait_layer_current(layer)
+        signals.wait_layer_current(4)  # covered: nothing more
+    # groups {0, 1} and {2, 3} wait for their flags; the last, {4}, for the event, on the
+    # current stream's object
+    assert lib.calls == [("wait", (flags + 4, e, 7)), ("wait", (flags + 12, e, 7))]
+    assert end.waits == [current]
+    signals.wait_layer(4, "other")  # another stream waits for itself, on its own object
+    signals.wait_layer(4, "other")
+    assert end.waits == [current, "other"] and len(lib.calls) == 2
+
+
+def test_a_landed_last_group_waits_for_neither_its_flag_nor_the_event() -> None:
+    backend, lib, job = _grouping_rig(group=4, layers=4)
+    signals = backend.run(job)
+    end = WaitedEvent()
+    signals.ends_with(end)
+    backend._signal_buffer(0, 4).flag_memory[:] = signals.epoch
+    lib.calls.clear()
+    for layer in range(4):
+        signals.wait_layer_current(layer)
+        signals.wait_layer(layer, "other")
+    assert lib.calls == [] and end.waits == []
+
+
+def test_without_an_event_the_last_group_waits_for_its_flag() -> None:
+    backend, lib, job = _grouping_rig(group=4, layers=4)
+    signals = backend.run(job)  # (a plan on a device without streams records no event)
+    lib.calls.clear()
+    backend.current = 7
+    signals.wait_layer_current(3)
+    assert lib.calls == [("wait", (signals._flags + 12, signals.epoch, 7))]
+
+
 def test_the_signal_memory_grows_for_more_layers_and_keeps_the_memory_it_outgrew() -> None:
     backend, _, _, _ = _setup("layer_first")
     small = backend._signal_buffer(0, 3)
@@ -558,6 +613,23 @@ def test_submit_on_a_signaled_variant_is_one_job_for_every_layer() -> None:
     plan = _signaled_plan(backend)
     sub = plan.bind(dev, host).submit(torch.arange(16, 32), torch.arange(16))
     assert len(sub.completions) == 1 and isinstance(sub.completions[0], NativeLayerSignals)
+    assert [name for name, _ in lib.calls] == ["signaled"]
+
+
+def test_a_signaled_submit_hands_its_signals_the_event_recorded_after_the_launch() -> None:
+    from kvcore.testing.stand_in_streams import stand_in_streams
+
+    class StandInNative(NativeBackend):
+        def raw_stream(self, stream: Any) -> int:
+            return 0
+
+    _, lib, dev, host = _setup("page_first")
+    backend = StandInNative(torch.device("cpu"), lib, staging_bytes=1 << 20)  # type: ignore[arg-type]
+    with stand_in_streams("cpu"):
+        sub = _signaled_plan(backend).bind(dev, host).submit(torch.arange(16, 32),
+                                                             torch.arange(16))
+    (signals,) = sub.completions
+    assert sub.event is not None and signals._end is sub.event
     assert [name for name, _ in lib.calls] == ["signaled"]
 
 
