@@ -95,7 +95,8 @@ def probe(backend: str, kind: Kind, layout: Layout, layers: int, elem: int) -> d
 
     row = {
         "kind": kind.value, "layout": layout.value, "layers": layers, "element_dim": elem,
-        "variant": layer_call.placed[0].support.variant, "layer_MiB": per_layer / 2**20,
+        "variant": layer_call.bound.variant_for(*layer_call.placed[0]).variant,
+        "layer_MiB": per_layer / 2**20,
         "paced": events_us(lambda: layer_call(0), False) / layers,
         "queued": events_us(issue_timed, True) / layers,
         "all": events_us(lambda: calls[Op.LOAD_ALL](0), False) / layers,
