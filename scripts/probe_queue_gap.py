@@ -16,6 +16,9 @@ Rows (ms per call over a queue, and its ratio to one contiguous copy of the same
   placed, fenced      the same, ordered after the caller's stream (the controller's fence)
   uploaded, no fence  the same with the CPU host indices uploaded through the index ring, as
                       the controller's
+  torch upload, load stream / side stream
+                      placed device indices, the host indices copied by torch each call on
+                      the load stream, or on a side stream the load stream waits for
   kernel time         device time of one signaled launch (events around it, median)
 
 Then the signaled kernel alone (library calls, indices placed) in the controller's pattern:
@@ -154,6 +157,22 @@ def probe(pages: int, calls: int, rows_only: bool = False, kind: str = "mha") ->
 
     rows.append(("placed, fenced", queue_ms(placed_fenced, calls)))
     rows.append(("uploaded, no fence", queue_ms(uploaded, calls)))
+    # the host indices' upload by torch, on the load stream or on a side stream the load
+    # stream then waits for (an event)
+    pinned = [p[0].cpu().pin_memory() for p in placed]
+    targets = [p[0].clone() for p in placed]
+    side, uploaded_event = torch.cuda.Stream(), torch.cuda.Event()
+
+    def upload_on(i: int, stream: Any) -> None:
+        with torch.cuda.stream(stream):
+            targets[i].copy_(pinned[i], non_blocking=True)
+        if stream is not s:
+            uploaded_event.record(stream)
+            s.wait_event(uploaded_event)
+        ll.submit(targets[i], placed[i][1], stream=s, check=False)
+
+    rows.append(("torch upload, load stream", queue_ms(lambda i: upload_on(i, s), calls)))
+    rows.append(("torch upload, side stream", queue_ms(lambda i: upload_on(i, side), calls)))
     kernel = []
     for i in range(calls):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -166,7 +185,7 @@ def probe(pages: int, calls: int, rows_only: bool = False, kind: str = "mha") ->
     print(f"== {kind}, {pages} page(s), {nbytes / 2**20:g} MiB per call, {calls} calls, ceiling "
           f"{ceil:.4f} ms ({ll.support.variant})")
     for name, ms in rows:
-        print(f"  {name:22s} {ms:8.4f} ms/call  ratio {ceil / ms:.3f}")
+        print(f"  {name:26s} {ms:8.4f} ms/call  ratio {ceil / ms:.3f}")
     if rows_only:
         for h in hosts:
             ctl.free_host(h)
