@@ -190,3 +190,39 @@ def test_controller_rows_take_the_sample_after_the_last_queue_where_it_is_faster
     assert [r.error for r in rows] == [None, None]
     assert len(copies) == 5  # two per queue, then one for their single size (a CPU memcpy)
     assert [r.ceiling_ms for r in rows] == [1.0, 1.0]
+
+
+def test_a_size_slower_per_byte_than_a_smaller_one_in_every_sample_takes_the_smaller_ones_rate(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A larger copy between the same memories is never slower per byte than a smaller one:
+    on one H100 host every sample of the 32 MiB host-to-device copy ran at half the rate of
+    the 8 MiB one, and its load row read 1.13 (h100-2026-12-05d)."""
+    from kvcore.bench.queue import QueueCase, run_all
+    from kvcore.layout import Layout
+
+    sizes: list[int] = []
+
+    def measure(self: Ceiling, direction: str, nbytes: int, sets: int) -> Timing:
+        sizes.append(nbytes)  # 1 ms per unit of the smallest size, the 4-page one at half rate
+        unit = min(sizes)
+        return Timing((nbytes / unit * (2.0 if nbytes > unit * 2 else 1.0),))
+
+    monkeypatch.setattr(Ceiling, "_measure", measure)
+    cases = [QueueCase("load", Kind.MLA, Layout.PAGE_FIRST, pages, 4, page_size=4,
+                       num_layers=2) for pages in (1, 4, 2)]
+    rows = run_all(default_registry(), CPU, [REFERENCE], cases, 0, 1, 0)
+    assert [r.error for r in rows] == [None, None, None]
+    unit = min(sizes)
+    assert [r.case.bytes_per_call // unit for r in rows] == [1, 4, 2]
+    # the 4-page row divides by the 1- and 2-page rate (4 ms), not its own copy's 8 ms; the
+    # smaller sizes keep their own copies
+    assert [r.ceiling_ms for r in rows] == [1.0, 4.0, 2.0]
+
+
+def test_the_per_byte_envelope_never_lends_a_rate_across_directions_or_to_smaller_sizes(
+) -> None:
+    from kvcore.bench.queue import per_byte_envelope
+
+    times = {("h2d", 1): 2.0, ("h2d", 4): 4.0, ("d2h", 2): 1.0, ("d2h", 8): 16.0}
+    assert per_byte_envelope(times) == {("h2d", 1): 2.0, ("h2d", 4): 4.0, ("d2h", 2): 1.0,
+                                        ("d2h", 8): 4.0}
