@@ -437,6 +437,9 @@ class BoundPlan:
                         h = self._place_on_stream(h, support.host_index, segments, s)
                     if not d_placed:
                         d = self._place_on_stream(d, support.device_index, segments, s)
+            if segments:  # copies on the ring's upload stream: ``s`` waits for them
+                assert self._ring is not None
+                self._ring.ready(s)
             sub = self._enqueue(support, h, d, layer, s, chained, after)
         finally:  # the ring's slots are free once what read them (or nothing) completed
             if segments:

@@ -87,7 +87,38 @@ def test_a_tensor_larger_than_a_segment_is_left_to_the_caller() -> None:
     assert ring.stage(torch.arange(0), torch.int64) is None
 
 
-def test_with_the_backends_upload_the_copy_goes_through_it_on_the_stream_named() -> None:
+class Stream:
+    """Stands for a stream: records the events it is made to wait for."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.waits: list[object] = []
+
+    def wait_event(self, event: object) -> None:
+        self.waits.append(event)
+
+
+def _streams(monkeypatch: pytest.MonkeyPatch) -> tuple[Stream, list[tuple[str, object]]]:
+    """The ring's upload stream, made by kvcore.placement.new_stream, and the events recorded
+    (on which stream) by kvcore.placement.recorded_event."""
+    import kvcore.placement
+
+    upload_stream = Stream("upload")
+    recorded: list[tuple[str, object]] = []
+
+    def recorded_event(device: torch.device, stream: Stream) -> object:
+        event = object()
+        recorded.append((stream.name, event))
+        return event
+
+    monkeypatch.setattr(kvcore.placement, "new_stream", lambda device: upload_stream)
+    monkeypatch.setattr(kvcore.placement, "recorded_event", recorded_event)
+    return upload_stream, recorded
+
+
+def test_with_the_backends_upload_the_copy_goes_on_the_rings_own_stream(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    upload_stream, _ = _streams(monkeypatch)
     calls: list[tuple[int, int, int, object]] = []
 
     def upload(dst: int, src: int, nbytes: int, stream: object) -> None:
@@ -96,11 +127,44 @@ def test_with_the_backends_upload_the_copy_goes_through_it_on_the_stream_named()
 
     ring = _ring(upload=upload)
     src = torch.randint(0, 1 << 30, (37,), generator=torch.Generator().manual_seed(4))
-    out, _ = ring.stage(src, torch.int32, "the stream")  # type: ignore[misc]
+    out, _ = ring.stage(src, torch.int32, Stream("transfer"))  # type: ignore[misc]
     assert ring._pinned is not None and ring._device_mem is not None
     assert calls == [(ring._device_mem.data_ptr(), ring._pinned.data_ptr(), 37 * 4,
-                      "the stream")]
+                      upload_stream)]
     assert out.data_ptr() == ring._device_mem.data_ptr() and torch.equal(out, src.to(torch.int32))
+
+
+def test_a_stream_waits_once_for_the_uploads_staged_for_it_and_only_for_those(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """What reads a slot is enqueued after ready(): its stream then waits for an event
+    recorded on the upload stream after the slot's copy. A stream with nothing uploaded
+    since its last wait (a slot reused, another stream's copy) waits for nothing."""
+    _, recorded = _streams(monkeypatch)
+    ring, copies = _counting_ring(segments=2, segment_bytes=16 * SLOT_ALIGN)
+    a, b = Stream("a"), Stream("b")
+    src = torch.arange(40)
+    ring.stage(src, torch.int64, a)
+    ring.stage(src + 1, torch.int32, a)  # two copies for one submit: one wait
+    ring.ready(a)
+    assert len(copies) == 2 and [name for name, _ in recorded] == ["upload"]
+    assert a.waits == [recorded[0][1]]
+    ring.ready(a)  # nothing new for it
+    ring.stage(src, torch.int64, a)  # the same slot again: no copy, no wait
+    ring.ready(a)
+    ring.ready(b)  # nothing staged for b
+    assert len(copies) == 2 and len(a.waits) == 1 and b.waits == []
+    ring.stage(src, torch.int64, b)  # another stream: copied anew, and b waits for it
+    ring.ready(b)
+    assert len(copies) == 3 and len(b.waits) == 1 and b.waits[0] is recorded[1][1]
+    assert len(a.waits) == 1
+
+
+def test_without_the_backends_upload_nothing_needs_a_wait() -> None:
+    ring = _ring()
+    transfer = Stream("transfer")
+    ring.stage(torch.arange(8), torch.int64, transfer)  # (torch's copy on the current stream)
+    ring.ready(transfer)
+    assert transfer.waits == []
 
 
 def test_slots_reused_with_other_lengths_and_dtypes_hold_exactly_the_new_values() -> None:

@@ -68,11 +68,12 @@ def test_what_each_controller_call_asks_of_the_runtime() -> None:
     Default mode (KVCORE_ASYNC_WRITE_BACK unset)."""
     rows = _counts()
     # the caller's stream looked up once; its point fenced (a record, a wait); one library
-    # call; one completion event recorded (a load's device indices are also recorded on the
-    # load stream, its CPU host indices uploaded through the ring: one copy)
-    fenced = "event.record 2, {}stream.current 1, stream.wait_event 1{}"
-    load = fenced.format("kvio_copy_to_device 1, kvio_load_layers_signaled 1, ",
-                         ", tensor.record_stream 1")
+    # call; one completion event recorded. CPU host indices are uploaded through the ring, on
+    # its own stream: one copy, and the transfer's stream waits for it (a record, a wait); a
+    # load's device indices are also recorded on the load stream
+    uploaded = "event.record 3, {}stream.current 1, stream.wait_event 2{}"
+    load = uploaded.format("kvio_copy_to_device 1, kvio_load_layers_signaled 1, ",
+                           ", tensor.record_stream 1")
     # 8 MiB: issued by the caller, which the library orders after the caller's stream and
     # whose completion it records itself (kvio_write_back_staged_after)
     assert rows[("mha", "page_first", "1")] == [
@@ -80,6 +81,6 @@ def test_what_each_controller_call_asks_of_the_runtime() -> None:
     # 128 MiB: handed to the library's thread, which records the caller's point itself
     assert rows[("mha", "page_first", "16")][0] == (
         "kvio_write_back_staged_async 1, stream.current 1")
-    assert rows[("mha", "layer_first", "1")][0] == fenced.format(
+    assert rows[("mha", "layer_first", "1")][0] == uploaded.format(
         "kvio_copy_to_device 1, kvio_transfer_direct 1, ", "")
     assert all(r[1] == load and r[2] == WAITS for r in rows.values())
