@@ -373,10 +373,9 @@ class BoundPlan:
         current stream); never waits for the device.
 
         ``after``: another stream (the caller's, when ``stream`` is a transfer stream of its
-        own) whose work enqueued so far the operation must follow. The wait for it goes on
-        ``stream`` after the upload of CPU indices through this plan's ring (it reads only
-        memory the CPU wrote, so it overlaps that work instead of adding to the time before
-        the copy starts) and before anything that reads a device tensor.
+        own) whose work enqueued so far the operation must follow. The upload of CPU indices
+        through this plan's ring does not wait for it (it reads only memory the CPU wrote);
+        the wait goes on ``stream`` before anything that reads a device tensor.
 
         For a per-layer load, ``layer`` None moves every layer: as one job where the variant
         has ``layer_signals``, else one job per layer; the returned submission can wait for
@@ -386,8 +385,10 @@ class BoundPlan:
         caller already ran :meth:`check` on these tensors); their type, dtype, rank, device
         and lengths, and ``layer``, are checked either way.
 
-        CPU indices the variant reads on the device are copied there on ``stream``, through
-        memory this plan reuses once the transfers that read it completed. ``stream`` and
+        CPU indices the variant reads on the device are copied there through memory this
+        plan reuses once the transfers that read it completed: on a stream of the plan's own
+        where the backend offers ``upload_indices`` (``stream`` then waits for an event
+        after the copies), else on ``stream``. ``stream`` and
         ``after`` must be streams of the plan's device; anything else is refused with
         InvalidArgument before anything is enqueued.
         """
