@@ -290,3 +290,48 @@ def test_per_layer_submits_of_the_same_cpu_indices_move_what_each_submit_names(
             old = before.layers(kv)[layer]
             assert torch.equal(got[~touched].view(torch.int16),
                                old[~touched].view(torch.int16)), (kv, layer)
+
+
+# ------------------------------------------------------------------ the index ring's upload stream
+
+
+@pytest.mark.parametrize(("op", "layout"), [(Op.LOAD_LAYER, "page_first"),
+                                            (Op.WRITE_BACK, "layer_first")])
+def test_a_transfer_waits_for_its_index_upload_held_back_on_the_rings_stream(
+        op: Op, layout: str) -> None:
+    """CPU host indices go to the device on the index ring's own stream, and the transfer's
+    stream waits for them. Here the ring's stream is held 50 ms behind a sleeping kernel when
+    the transfer is submitted: a transfer that did not wait would read the slot before its
+    indices arrived (the ring's fresh device memory) and move other pages."""
+    gen = torch.Generator().manual_seed(61)
+    plan, ref = _plan(op, "mha", layout, "cuda"), _plan(op, "mha", layout, "reference")
+    dev, host = _pools("mha", layout, gen)
+    bound = plan.bind(dev, host)
+    pages = torch.randperm(POOL_PAGES - 1, generator=gen)[:6] + 1  # (never page 0)
+    first, second = _tokens(pages[:3].tolist()), _tokens(pages[3:].tolist())
+    d = _tokens([5, 9, 2]).to(DEVICE)
+    stream = torch.cuda.Stream(DEVICE)
+    with torch.cuda.stream(stream):
+        bound.submit(first, d, stream=stream)  # makes the ring's stream
+    stream.synchronize()
+    ring = bound._ring
+    assert ring is not None and ring._upload_stream is not None, "no upload through the ring"
+    expected_dev, expected_host = dev.clone(), host.buffer.clone()
+    expected_pools = (expected_dev, HostPool.wrap(expected_host, "mha", layout, LAYERS,
+                                                  *_geometry("mha"), PAGE))
+    layers = range(LAYERS) if op is Op.LOAD_LAYER else [None]
+    for layer in layers:
+        ref.transfer(*expected_pools, second, d, layer=layer)
+    torch.cuda.synchronize()
+    with torch.cuda.stream(ring._upload_stream):
+        torch.cuda._sleep(100_000_000)  # about 50 ms
+    with torch.cuda.stream(stream):
+        sub = bound.submit(second, d, stream=stream)
+    torch.cuda.synchronize()
+    for c in sub.completions:
+        c.check()
+    for kv in range(2):
+        for layer in range(LAYERS):
+            assert torch.equal(dev.layers(kv)[layer].view(torch.int16),
+                               expected_dev.layers(kv)[layer].view(torch.int16)), (kv, layer)
+    assert torch.equal(host.buffer.view(torch.int16), expected_host.view(torch.int16))
