@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from kvcore.capabilities import IndexSpec, Residency, residency_device
-from kvcore.streams import has_streams, new_stream, recorded_event
+from kvcore.streams import Fence, has_streams, new_stream
 
 #: ring capacity per bound plan (pinned and device each): 64 pages of 64 tokens in int64 take
 #: 32 KiB, so a segment holds several of the largest usual submits
@@ -132,7 +132,8 @@ class IndexRing:
         # per slot start and length (a view costs a microsecond; at most one is kept per
         # start, under a kilobyte each)
         self._views: dict[tuple[torch.dtype, int], torch.Tensor] = {}
-        self._upload_stream: Any = None  # made on the first upload
+        self._upload_stream: Any = None  # made on the first upload, with its fence
+        self._upload_fence: Fence | None = None
         # stream keys whose stagings were uploaded since their stream last waited (ready)
         self._unordered: set[Any] = set()
         self._lock = threading.Lock()
@@ -224,6 +225,7 @@ class IndexRing:
             if self.upload is not None:
                 if self._upload_stream is None:
                     self._upload_stream = new_stream(self.device)
+                    self._upload_fence = Fence(self.device)
                 self.upload(dst.data_ptr(), src, n * itemsize, self._upload_stream)
                 self._unordered.add(stream_key(stream))
             else:
@@ -244,7 +246,8 @@ class IndexRing:
             if key not in self._unordered:
                 return
             self._unordered.discard(key)
-            stream.wait_event(recorded_event(self.device, self._upload_stream))
+            assert self._upload_fence is not None
+            self._upload_fence.order(stream, self._upload_stream)
 
     def _typed_views(self, dtype: torch.dtype) -> tuple[np.ndarray, torch.Tensor, torch.Tensor]:
         assert self._host_view is not None and self._pinned is not None

@@ -98,21 +98,33 @@ class Stream:
         self.waits.append(event)
 
 
+class RecordedEvent:
+    """Stands for the upload fence's event: each record is a new point, noted with its
+    stream."""
+
+    def __init__(self, recorded: list[tuple[str, object]]) -> None:
+        self.recorded = recorded
+
+    def record(self, stream: Stream) -> None:
+        self.recorded.append((stream.name, object()))
+
+
+class RecordingStream(Stream):
+    def wait_event(self, event: object) -> None:  # waits for the event's latest record
+        assert isinstance(event, RecordedEvent)
+        self.waits.append(event.recorded[-1][1])
+
+
 def _streams(monkeypatch: pytest.MonkeyPatch) -> tuple[Stream, list[tuple[str, object]]]:
-    """The ring's upload stream, made by kvcore.placement.new_stream, and the events recorded
-    (on which stream) by kvcore.placement.recorded_event."""
+    """The ring's upload stream, made by kvcore.placement.new_stream, and the points its
+    fence recorded (on which stream)."""
     import kvcore.placement
+    import kvcore.streams
 
     upload_stream = Stream("upload")
     recorded: list[tuple[str, object]] = []
-
-    def recorded_event(device: torch.device, stream: Stream) -> object:
-        event = object()
-        recorded.append((stream.name, event))
-        return event
-
     monkeypatch.setattr(kvcore.placement, "new_stream", lambda device: upload_stream)
-    monkeypatch.setattr(kvcore.placement, "recorded_event", recorded_event)
+    monkeypatch.setattr(kvcore.streams, "new_event", lambda device: RecordedEvent(recorded))
     return upload_stream, recorded
 
 
@@ -141,7 +153,7 @@ def test_a_stream_waits_once_for_the_uploads_staged_for_it_and_only_for_those(
     since its last wait (a slot reused, another stream's copy) waits for nothing."""
     _, recorded = _streams(monkeypatch)
     ring, copies = _counting_ring(segments=2, segment_bytes=16 * SLOT_ALIGN)
-    a, b = Stream("a"), Stream("b")
+    a, b = RecordingStream("a"), RecordingStream("b")
     src = torch.arange(40)
     ring.stage(src, torch.int64, a)
     ring.stage(src + 1, torch.int32, a)  # two copies for one submit: one wait
