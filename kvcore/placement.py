@@ -106,7 +106,8 @@ class IndexRing:
     The upload stream keeps the copy off the transfer's stream: there it ran between the
     kernel before and the kernel that reads it, 2.5-11 us per submit of a queue of per-layer
     loads on an H100 (h100-2026-12-05d), while on its own stream it runs during the kernel
-    before and the transfer's stream then waits for a completed event."""
+    before, and the transfer's stream then waits for an event that has mostly completed by
+    the time it gets there."""
 
     def __init__(self, device: torch.device, capacity: int = RING_BYTES,
                  segments: int = RING_SEGMENTS, upload: Upload | None = None) -> None:
@@ -140,10 +141,11 @@ class IndexRing:
 
     def stage(self, indices: torch.Tensor, dtype: torch.dtype, stream: Any = None,
               remember: bool = True) -> tuple[torch.Tensor, int] | None:
-        """A device tensor of ``indices`` (a contiguous CPU tensor) as ``dtype``, copied on
-        ``stream`` (with ``upload``; else on the current stream, which must be ``stream``),
-        and the segment it came from (for :meth:`seal`); None where the ring has no free slot
-        that large (the caller places it otherwise).
+        """A device tensor of ``indices`` (a contiguous CPU tensor) as ``dtype``, for use on
+        ``stream`` (with ``upload`` copied on the ring's stream, and :meth:`ready` must order
+        ``stream`` before anything reads it; else copied on the current stream, which must be
+        ``stream``), and the segment it came from (for :meth:`seal`); None where the ring has
+        no free slot that large (the caller places it otherwise).
 
         The same tensor staged again on the same stream, with the same values, gets the slot
         it got before while that slot is still live: nothing is copied, and the slot is held
