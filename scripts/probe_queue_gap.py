@@ -10,6 +10,8 @@ Rows (ms per call over a queue, and its ratio to one contiguous copy of the same
   controller          load() + 32 wait_layer(), the bench's row
   controller, flag waits  the same, the last group's wait on its flag, not on the event after
                       the launch (as before NativeLayerSignals.ends_with)
+  controller, upload on load stream  the same, the index ring's copies on the load stream
+                      itself, not on the ring's own stream (as before IndexRing.ready)
   controller, 1 wait  load() + wait_layer(last): the caller's stream waits once
   no waits            load() alone: nothing on the caller's stream, the loads follow each other
   signaled, placed    the plan's submit on the load stream, indices placed, no fence, no waits
@@ -30,9 +32,10 @@ stream waits for each layer's flag; with the flags in pinned host memory and in 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -41,6 +44,7 @@ from kvcore import DevicePool, HiCacheController
 from kvcore.layout import Op
 from kvcore.native import NativeLayerSignals
 from kvcore.native_abi import NativeLibrary
+from kvcore.placement import IndexRing
 from kvcore.registry import allocate_host_pool
 
 P, L = 64, 32
@@ -61,6 +65,30 @@ def spy_unchecked() -> None:
         return recorded
 
     NativeLibrary.unchecked = unchecked  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def uploads_on_the_transfer_stream() -> Iterator[None]:
+    """The index ring copies on the stream it stages for (its upload stream set to that
+    stream before each copy), and ``ready`` orders nothing: stream order covers the copy.
+    Each ring gets its own upload stream back afterwards."""
+    stage, ready = IndexRing._stage, IndexRing.ready
+    own: dict[IndexRing, Any] = {}
+
+    def on_stream(self: IndexRing, indices: torch.Tensor, dtype: torch.dtype, stream: Any,
+                  ) -> Any:
+        own.setdefault(self, self._upload_stream)
+        self._upload_stream = stream
+        return stage(self, indices, dtype, stream)
+
+    IndexRing._stage = on_stream  # type: ignore[method-assign]
+    IndexRing.ready = lambda self, stream: None  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        IndexRing._stage, IndexRing.ready = stage, ready  # type: ignore[method-assign]
+        for ring, stream in own.items():
+            ring._upload_stream = stream
 
 
 def ceiling_ms(nbytes: int) -> float:
@@ -137,6 +165,8 @@ def probe(pages: int, calls: int, rows_only: bool = False, kind: str = "mha") ->
         rows.append(("controller, flag waits", queue_ms(load_waits, calls)))
     finally:
         NativeLayerSignals.ends_with = ends_with  # type: ignore[method-assign]
+    with uploads_on_the_transfer_stream():
+        rows.append(("controller, upload on load stream", queue_ms(load_waits, calls)))
     rows.append(("controller, 1 wait", queue_ms(load_one_wait, calls)))
     rows.append(("no waits", queue_ms(load_only, calls)))
     ll = ctl.bound[(0, Op.LOAD_LAYER)]
