@@ -18,6 +18,9 @@ Rows (ms per call over a queue, and its ratio to one contiguous copy of the same
   placed, fenced      the same, ordered after the caller's stream (the controller's fence)
   uploaded, no fence  the same with the CPU host indices uploaded through the index ring, as
                       the controller's
+  indices in pinned memory  placed, fenced, with the host indices left in pinned host memory
+                      for the kernel to read there (no upload, no event: what the ring could
+                      hand a kernel that dereferences pinned memory)
   torch upload, load stream / side stream
                       placed device indices, the host indices copied by torch each call on
                       the load stream, or on a side stream the load stream waits for
@@ -89,6 +92,22 @@ def uploads_on_the_transfer_stream() -> Iterator[None]:
         IndexRing._stage, IndexRing.ready = stage, ready  # type: ignore[method-assign]
         for ring, stream in own.items():
             ring._upload_stream = stream
+
+
+class _Pinned:
+    """A pinned CPU tensor's memory as a CUDA array (``__cuda_array_interface__``)."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        typestr = {torch.int64: "<i8", torch.int32: "<i4"}[t.dtype]
+        self.__cuda_array_interface__ = {"shape": tuple(t.shape), "typestr": typestr,
+                                         "data": (t.data_ptr(), False), "version": 3}
+
+
+def pinned_device_view(t: torch.Tensor) -> torch.Tensor:
+    """A CUDA tensor over pinned ``t``'s memory (no copy: the kernel reads host memory)."""
+    view = torch.as_tensor(_Pinned(t), device="cuda")
+    assert view.data_ptr() == t.data_ptr()
+    return view
 
 
 def ceiling_ms(nbytes: int) -> float:
@@ -201,6 +220,18 @@ def probe(pages: int, calls: int, rows_only: bool = False, kind: str = "mha") ->
             s.wait_event(uploaded_event)
         ll.submit(targets[i], placed[i][1], stream=s, check=False)
 
+    # the same indices, read by the kernel from pinned host memory through a device view of
+    # their address (unified addressing: a pinned buffer's device address is its host one)
+    in_pinned = [p[0].cpu().pin_memory() for p in placed]
+    try:
+        pinned_views = [pinned_device_view(t) for t in in_pinned]
+
+        def pinned_fenced(i: int) -> None:
+            ll.submit(pinned_views[i], placed[i][1], stream=s, after=caller, check=False)
+
+        rows.append(("indices in pinned memory", queue_ms(pinned_fenced, calls)))
+    except Exception as e:  # noqa: BLE001  (a probe row: say why and go on)
+        print(f"  indices in pinned memory: not measured ({type(e).__name__}: {e})")
     rows.append(("torch upload, load stream", queue_ms(lambda i: upload_on(i, s), calls)))
     rows.append(("torch upload, side stream", queue_ms(lambda i: upload_on(i, side), calls)))
     kernel = []
