@@ -221,10 +221,10 @@ def probe(pages: int, calls: int, rows_only: bool = False, kind: str = "mha") ->
         ll.submit(targets[i], placed[i][1], stream=s, check=False)
 
     # the same indices, read by the kernel from pinned host memory through a device view of
-    # their address (unified addressing: a pinned buffer's device address is its host one)
-    in_pinned = [p[0].cpu().pin_memory() for p in placed]
+    # their address (unified addressing: a pinned buffer's device address is its host one;
+    # the torch-upload rows' pinned sources, which both only read)
     try:
-        pinned_views = [pinned_device_view(t) for t in in_pinned]
+        pinned_views = [pinned_device_view(t) for t in pinned]
 
         def pinned_fenced(i: int) -> None:
             ll.submit(pinned_views[i], placed[i][1], stream=s, after=caller, check=False)
