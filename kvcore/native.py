@@ -22,6 +22,7 @@ from kvcore.capabilities import HostMemory, IndexSpec, OpSupport, Residency, op_
 from kvcore.errors import InvalidArgument, InvalidIndices
 from kvcore.layout import ByteStrides, Kind, Layout, Op, contiguous_page_layouts, layouts_for
 from kvcore.native_abi import (
+    INLINE_INDEX_TOKENS,
     REPORT_BYTES,
     REPORT_DEVICE_EPOCH,
     REPORT_DEVICE_VALUE,
@@ -280,11 +281,22 @@ class NativeBackend:
             return run_direct
         by_layer = job_runner(self.run, job)
         signaled = self.optional_unchecked("kvio_load_layers_signaled")
+        # a pool on the CPU (an emulated library) takes CPU indices as its device's own
+        off_cpu = pool.device.type != "cpu"
+        inline = self.optional_unchecked("kvio_load_layers_signaled_inline") \
+            if signaled is not None and off_cpu else None
         groups: dict[int, int] = {}  # tokens per load -> layers that land together
 
         def run_signaled(h: torch.Tensor, d: torch.Tensor, layer: int | None, stream: Any,
                          chained: bool) -> BoundsCompletion | LayerSignals:
             signals = layer is None and signaled is not None and self._layer_signals()
+            host_inline = h.is_cpu and off_cpu
+            if host_inline and not (signals and inline is not None
+                                    and h.numel() <= INLINE_INDEX_TOKENS):
+                raise InvalidArgument("host_indices", "device-resident indices (CPU ones only "
+                                      "for a signaled load of every layer of at most "
+                                      f"{INLINE_INDEX_TOKENS} tokens)",
+                                      f"{h.numel()} on the CPU, layer {layer}")
             if layer is not None:
                 return run_direct(h, d, layer, stream, chained)
             if not signals:
@@ -300,13 +312,20 @@ class NativeBackend:
             args = (k_ptrs, v_ptrs, num_layers, host_base, layout, h.data_ptr() or None,
                     1 if h.dtype is int64 else 0, d.data_ptr() or None,
                     1 if d.dtype is int64 else 0, n)
+            # host indices on the CPU: only a bound plan's, within inline_host_tokens
+            launch = inline if host_inline else signaled
+            assert launch is not None
             with self._signal_lock:  # epochs reach the stream in the order they are handed out
                 buf = self._signal_buffer(s, num_layers, stream)
                 epoch = buf.next_epoch()
-                signaled(*args, buf.counters or None, buf.flags or None, epoch, s or None,
-                         done.bounds)
+                launch(*args, buf.counters or None, buf.flags or None, epoch, s or None,
+                       done.bounds)
             return NativeLayerSignals(self, buf, epoch, done, group, num_layers)
 
+        if inline is not None and self._layer_signals():
+            # a load of every layer with at most this many host indices on the CPU may pass
+            # them as they are: the library copies them into the launch (no upload)
+            run_signaled.inline_host_tokens = INLINE_INDEX_TOKENS  # type: ignore[attr-defined]
         return run_signaled
 
     def _dma_runner(self, job: TransferJob, dma: Callable[..., None], host_base: int | None,

@@ -20,12 +20,14 @@ from typing import Any
 from kvcore.errors import BuildError, DeviceFault, InvalidArgument, KernelError
 
 __all__ = ["ABI_HEADER", "ABI_VERSION", "AFTER_WRITE_FUNCTIONS", "ASYNC_WRITE_FUNCTIONS",
-           "INCLUDE_DIR", "JOB_PENDING", "REPORT_BYTES", "KvioBounds",
+           "INCLUDE_DIR", "INLINE_INDEX_TOKENS", "JOB_PENDING", "REPORT_BYTES", "KvioBounds",
            "KvioLayout", "KvioReport", "NativeLibrary", "OPTIONAL_PROTOTYPES", "PROTOTYPES",
            "make_bounds", "make_layout", "unchecked_bounds"]
 
 #: the ABI version this binding speaks (kvio_abi_version() must return it)
 ABI_VERSION = 4
+#: KVIO_INLINE_INDEX_TOKENS: the host indices kvio_load_layers_signaled_inline takes at most
+INLINE_INDEX_TOKENS = 960
 
 #: the folder holding ``kvio_abi.h``, the ABI's C header (structs and prototypes): what a
 #: native library builds against (``-I``); this module mirrors it for ctypes
@@ -285,6 +287,19 @@ OPTIONAL_PROTOTYPES: dict[str, tuple[Any, tuple[Any, ...]]] = {
         _c.c_uint32,    # epoch
         _c.c_void_p,    # stream
         _BOUNDS_P,      # bounds (const kvio_bounds*, read during the call)
+    )),
+    # the same with host_idx in CPU memory, read during the call and carried in the launch
+    # (at most INLINE_INDEX_TOKENS of them)
+    "kvio_load_layers_signaled_inline": (_c.c_int, (
+        _c.c_void_p,    # k_ptrs
+        _c.c_void_p,    # v_ptrs
+        _c.c_int32,     # num_layers
+        *_INDEXED,      # (host_idx: CPU memory)
+        _c.c_void_p,    # counters
+        _c.c_void_p,    # flags
+        _c.c_uint32,    # epoch
+        _c.c_void_p,    # stream
+        _BOUNDS_P,      # bounds
     )),
     "kvio_wait_layer_signal": (_c.c_int, (
         _c.c_void_p,    # flag (device-visible address of one uint32)
@@ -698,17 +713,29 @@ class NativeLibrary:
         of range, KernelError when the library returns a nonzero status.
         """
         self._require_signals()
-        status = self._lib.kvio_load_layers_signaled(
-            _ptr("k_ptrs", k_ptrs), _ptr("v_ptrs", v_ptrs),
-            _int("num_layers", num_layers, _INT32), _ptr("host_base", host_base),
-            make_layout(layout), _ptr("host_idx", host_idx), _flag("host_idx_64", host_idx_64),
-            _ptr("dev_idx", dev_idx), _flag("dev_idx_64", dev_idx_64),
-            _int("n_tokens", n_tokens, _INT64), _ptr("counters", counters),
-            _ptr("flags", flags), _int("epoch", epoch, _UINT32),
-            _ptr("stream", stream),
-            _bounds(bounds),
-        )
-        self.check("kvio_load_layers_signaled", status)
+        self._signaled("kvio_load_layers_signaled", k_ptrs, v_ptrs, num_layers, host_base, layout,
+                       host_idx, host_idx_64, dev_idx, dev_idx_64, n_tokens, counters, flags,
+                       epoch, stream, bounds)
+
+    def load_layers_signaled_inline(self, k_ptrs: int, v_ptrs: int | None, num_layers: int,
+                                    host_base: int, layout: KvioLayout | Mapping[str, int],
+                                    host_idx: int, host_idx_64: int, dev_idx: int,
+                                    dev_idx_64: int, n_tokens: int, counters: int, flags: int,
+                                    epoch: int, stream: int | None,
+                                    bounds: KvioBounds | None = None) -> None:
+        """``kvio_load_layers_signaled_inline`` (optional): :meth:`load_layers_signaled` with
+        ``host_idx`` in CPU memory, at most :data:`INLINE_INDEX_TOKENS` of them, read during
+        the call and carried in the launch (the caller may reuse them at once). A host index
+        outside ``[0, bounds.host_tokens)`` is refused (KernelError) before anything is
+        enqueued. Raises as :meth:`load_layers_signaled`, and BuildError when the library
+        lacks this function."""
+        self._require_signals()
+        if "kvio_load_layers_signaled_inline" not in self.optional:
+            raise BuildError(f"{self._where()} does not export "
+                             "kvio_load_layers_signaled_inline")
+        self._signaled("kvio_load_layers_signaled_inline", k_ptrs, v_ptrs, num_layers,
+                       host_base, layout, host_idx, host_idx_64, dev_idx, dev_idx_64, n_tokens,
+                       counters, flags, epoch, stream, bounds)
 
     def wait_layer_signal(self, flag: int, epoch: int, stream: int | None) -> None:
         """``kvio_wait_layer_signal`` (optional): ``stream`` waits until the device uint32 at
@@ -736,6 +763,24 @@ class NativeLibrary:
             ctypes.byref(group))
         self.check("kvio_signaled_layer_group", status)
         return max(1, min(int(group.value), num_layers))
+
+    def _signaled(self, function: str, k_ptrs: int, v_ptrs: int | None, num_layers: int,
+                  host_base: int, layout: KvioLayout | Mapping[str, int], host_idx: int,
+                  host_idx_64: int, dev_idx: int, dev_idx_64: int, n_tokens: int,
+                  counters: int, flags: int, epoch: int, stream: int | None,
+                  bounds: KvioBounds | None) -> None:
+        """Checks and passes the arguments the two signaled loads share."""
+        status = getattr(self._lib, function)(
+            _ptr("k_ptrs", k_ptrs), _ptr("v_ptrs", v_ptrs),
+            _int("num_layers", num_layers, _INT32), _ptr("host_base", host_base),
+            make_layout(layout), _ptr("host_idx", host_idx), _flag("host_idx_64", host_idx_64),
+            _ptr("dev_idx", dev_idx), _flag("dev_idx_64", dev_idx_64),
+            _int("n_tokens", n_tokens, _INT64), _ptr("counters", counters),
+            _ptr("flags", flags), _int("epoch", epoch, _UINT32),
+            _ptr("stream", stream),
+            _bounds(bounds),
+        )
+        self.check(function, status)
 
     def _require_signals(self) -> None:
         if missing := sorted(LAYER_SIGNAL_FUNCTIONS - self.optional):

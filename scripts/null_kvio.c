@@ -15,6 +15,7 @@ KVIO_API int kvio_load_all_staged(const uint64_t* a, const uint64_t* b, int32_t 
 KVIO_API int kvio_load_layer_dma(void* a, void* b, int32_t c, void* d, kvio_layout e, const int64_t* f, const int64_t* g, int64_t h, int i, void* j, const kvio_bounds* k) { return 0; }
 KVIO_API int kvio_has_layer_signals(void) { return 1; }
 KVIO_API int kvio_load_layers_signaled(const uint64_t* a, const uint64_t* b, int32_t c, void* d, kvio_layout e, const void* f, int g, const void* h, int i, int64_t j, uint32_t* k, uint32_t* l, uint32_t m, void* n, const kvio_bounds* o) { return 0; }
+KVIO_API int kvio_load_layers_signaled_inline(const uint64_t* a, const uint64_t* b, int32_t c, void* d, kvio_layout e, const void* f, int g, const void* h, int i, int64_t j, uint32_t* k, uint32_t* l, uint32_t m, void* n, const kvio_bounds* o) { return j <= KVIO_INLINE_INDEX_TOKENS ? 0 : 1; }
 KVIO_API int kvio_wait_layer_signal(const uint32_t* a, uint32_t b, void* c) { return 0; }
 KVIO_API int kvio_signaled_layer_group(const uint64_t* a, const uint64_t* b, int32_t c, void* d, kvio_layout e, int64_t f, void* g, int32_t* group) { *group = 4; /* kvio_cuda's group for these shapes */ return 0; }
 KVIO_API int kvio_copy_to_device(void* a, const void* b, int64_t c, void* d) { return 0; }

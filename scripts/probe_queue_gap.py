@@ -12,12 +12,15 @@ Rows (ms per call over a queue, and its ratio to one contiguous copy of the same
                       the launch (as before NativeLayerSignals.ends_with)
   controller, upload on load stream  the same, the index ring's copies on the load stream
                       itself, not on the ring's own stream (as before IndexRing.ready)
+  controller, uploaded  the same with the host indices uploaded through the index ring even
+                      where they fit the launch (as before kvio_load_layers_signaled_inline)
   controller, 1 wait  load() + wait_layer(last): the caller's stream waits once
   no waits            load() alone: nothing on the caller's stream, the loads follow each other
+  no waits, uploaded  the same, the host indices uploaded through the ring
   signaled, placed    the plan's submit on the load stream, indices placed, no fence, no waits
   placed, fenced      the same, ordered after the caller's stream (the controller's fence)
-  uploaded, no fence  the same with the CPU host indices uploaded through the index ring, as
-                      the controller's
+  cpu indices, no fence  the same with the CPU host indices as the controller passes them (in
+                      the launch up to 960 tokens, else uploaded through the index ring)
   indices in pinned memory  placed, fenced, with the host indices left in pinned host memory
                       for the kernel to read there (no upload, no event: what the ring could
                       hand a kernel that dereferences pinned memory)
@@ -186,9 +189,16 @@ def probe(pages: int, calls: int, rows_only: bool = False, kind: str = "mha") ->
         NativeLayerSignals.ends_with = ends_with  # type: ignore[method-assign]
     with uploads_on_the_transfer_stream():
         rows.append(("controller, upload on load stream", queue_ms(load_waits, calls)))
+    ll = ctl.bound[(0, Op.LOAD_LAYER)]
+    inline = ll._inline_host
+    ll._inline_host = dict.fromkeys(inline, 0)  # every CPU host index through the ring
+    try:
+        rows.append(("controller, uploaded", queue_ms(load_waits, calls)))
+        rows.append(("no waits, uploaded", queue_ms(load_only, calls)))
+    finally:
+        ll._inline_host = inline
     rows.append(("controller, 1 wait", queue_ms(load_one_wait, calls)))
     rows.append(("no waits", queue_ms(load_only, calls)))
-    ll = ctl.bound[(0, Op.LOAD_LAYER)]
     placed = [ll.place(hosts[i], sets[(i + 1) % 4]) for i in range(calls)]
     s = ctl.load_stream
 
@@ -201,11 +211,11 @@ def probe(pages: int, calls: int, rows_only: bool = False, kind: str = "mha") ->
     def placed_fenced(i: int) -> None:
         ll.submit(*placed[i], stream=s, after=caller, check=False)
 
-    def uploaded(i: int) -> None:  # CPU host indices through the ring's upload, no fence
+    def cpu_indices(i: int) -> None:  # CPU host indices as the controller's, no fence
         ll.submit(hosts[i], sets[(i + 1) % 4], stream=s, check=False)
 
     rows.append(("placed, fenced", queue_ms(placed_fenced, calls)))
-    rows.append(("uploaded, no fence", queue_ms(uploaded, calls)))
+    rows.append(("cpu indices, no fence", queue_ms(cpu_indices, calls)))
     # the host indices' upload by torch, on the load stream or on a side stream the load
     # stream then waits for (an event)
     pinned = [p[0].cpu().pin_memory() for p in placed]

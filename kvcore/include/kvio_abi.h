@@ -118,6 +118,20 @@ KVIO_API int kvio_load_layers_signaled(const uint64_t* k_ptrs, const uint64_t* v
                                        const void* dev_idx, int dev_idx_64, int64_t n_tokens,
                                        uint32_t* counters, uint32_t* flags, uint32_t epoch,
                                        void* stream, const kvio_bounds* bounds);
+/* kvio_load_layers_signaled_inline (optional): kvio_load_layers_signaled whose host_idx is CPU
+ * memory, read during the call (an index outside [0, bounds->host_tokens) is refused before
+ * anything is enqueued) and carried in the launch itself, so nothing uploads it and the
+ * caller may reuse it at once. A library that exports it takes any n_tokens up to
+ * KVIO_INLINE_INDEX_TOKENS (more: an error, nothing enqueued). */
+#define KVIO_INLINE_INDEX_TOKENS 960
+KVIO_API int kvio_load_layers_signaled_inline(const uint64_t* k_ptrs, const uint64_t* v_ptrs,
+                                              int32_t num_layers, void* host_base,
+                                              kvio_layout layout, const void* host_idx,
+                                              int host_idx_64, const void* dev_idx,
+                                              int dev_idx_64, int64_t n_tokens,
+                                              uint32_t* counters, uint32_t* flags,
+                                              uint32_t epoch, void* stream,
+                                              const kvio_bounds* bounds);
 KVIO_API int kvio_wait_layer_signal(const uint32_t* flag, uint32_t epoch, void* stream);
 KVIO_API int kvio_signaled_layer_group(const uint64_t* k_ptrs, const uint64_t* v_ptrs,
                                        int32_t num_layers, void* host_base, kvio_layout layout,

@@ -20,6 +20,7 @@ from kvcore.native_abi import (
     ABI_HEADER,
     ABI_VERSION,
     INCLUDE_DIR,
+    INLINE_INDEX_TOKENS,
     OPTIONAL_PROTOTYPES,
     PROTOTYPES,
     KvioBounds,
@@ -119,3 +120,9 @@ def test_every_function_of_the_header_is_in_the_mirror_with_the_same_parameters(
 
 def test_the_header_states_the_abi_version_of_the_binding() -> None:
     assert re.search(rf"#define KVIO_ABI_VERSION {ABI_VERSION}\b", ABI_HEADER.read_text())
+
+
+def test_the_header_states_the_inline_index_limit_of_the_binding() -> None:
+    """kvcore passes kvio_load_layers_signaled_inline at most this many host indices."""
+    assert re.search(rf"#define KVIO_INLINE_INDEX_TOKENS {INLINE_INDEX_TOKENS}\b",
+                     ABI_HEADER.read_text())

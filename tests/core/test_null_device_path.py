@@ -74,13 +74,19 @@ def test_what_each_controller_call_asks_of_the_runtime() -> None:
     uploaded = "event.record 3, {}stream.current 1, stream.wait_event 2{}"
     load = uploaded.format("kvio_copy_to_device 1, kvio_load_layers_signaled 1, ",
                            ", tensor.record_stream 1")
+    # up to KVIO_INLINE_INDEX_TOKENS host indices travel in the load's launch: no upload, so
+    # no copy and no record and wait of the ring
+    inline = ("event.record 2, kvio_load_layers_signaled_inline 1, stream.current 1, "
+              "stream.wait_event 1, tensor.record_stream 1")
     # 8 MiB: issued by the caller, which the library orders after the caller's stream and
     # whose completion it records itself (kvio_write_back_staged_after)
     assert rows[("mha", "page_first", "1")] == [
-        "kvio_write_back_staged_after 1, stream.current 1", load, WAITS]
+        "kvio_write_back_staged_after 1, stream.current 1", inline, WAITS]
     # 128 MiB: handed to the library's thread, which records the caller's point itself
     assert rows[("mha", "page_first", "16")][0] == (
         "kvio_write_back_staged_async 1, stream.current 1")
     assert rows[("mha", "layer_first", "1")][0] == uploaded.format(
         "kvio_copy_to_device 1, kvio_transfer_direct 1, ", "")
-    assert all(r[1] == load and r[2] == WAITS for r in rows.values())
+    # one page is 64 tokens, sixteen are 1024 (over the inline limit of 960)
+    assert all(r[1] == (inline if pages == "1" else load) and r[2] == WAITS
+               for (_, _, pages), r in rows.items())

@@ -12,9 +12,16 @@ import pytest
 import torch
 
 from kvcore.backend import TransferJob, runner_for
+from kvcore.errors import InvalidArgument
 from kvcore.layout import Geometry, Kind, Layout, Op, host_shape
 from kvcore.native import NativeBackend, NativeLayerSignals, native_ops
-from kvcore.native_abi import ABI_VERSION, KvioBounds, KvioLayout, NativeLibrary
+from kvcore.native_abi import (
+    ABI_VERSION,
+    INLINE_INDEX_TOKENS,
+    KvioBounds,
+    KvioLayout,
+    NativeLibrary,
+)
 from kvcore.pools import DevicePool, HostPool
 
 
@@ -178,3 +185,63 @@ def test_a_wait_the_library_refuses_raises_kernel_error_naming_it() -> None:
                                             False)
     with pytest.raises(KernelError, match=r"^kvio_wait_layer_signal: error"):
         signals.wait_layer(0, None)
+
+
+class MetaNative(CpuNative):
+    """Stands for a GPU backend: its pool lives off the CPU (torch's meta device)."""
+
+
+def _inline_runner(raw: RawLib) -> tuple[Any, torch.Tensor]:
+    backend = MetaNative(torch.device("meta"),
+                         NativeLibrary(None, runtime="cpu", name="raw", lib=raw),  # type: ignore[arg-type]
+                         staging_bytes=1 << 20)
+    dev = DevicePool.allocate("mla", 3, 64, 1, 64, torch.bfloat16, "meta", 16)
+    g = Geometry(Kind.MLA, Layout.PAGE_FIRST, 3, 64, 1, 64, 16)
+    host = HostPool.wrap(torch.empty(host_shape(g), dtype=torch.bfloat16), "mla", "page_first",
+                         3, 1, 64, 16)
+    support = next(s for s in native_ops(signaled_load=True) if s.layer_signals)
+    none = torch.empty(0, dtype=torch.int64)
+    template = TransferJob(op=Op.LOAD_LAYER, support=support, device_pool=dev,
+                           host_buffer=host.buffer, host_geometry=host.geometry,
+                           host_strides=host.strides, host_indices=none, device_indices=none)
+    return runner_for(backend, template), torch.arange(16, device="meta")
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+def test_cpu_host_indices_of_a_signaled_load_go_to_the_library_in_the_call(
+        dtype: torch.dtype) -> None:
+    """Up to INLINE_INDEX_TOKENS host indices on the CPU reach kvio_load_layers_signaled_inline
+    as they are (pointer, width, count): no upload."""
+    raw = RawLib()
+    run, d = _inline_runner(raw)
+    assert run.inline_host_tokens == INLINE_INDEX_TOKENS
+    h = torch.arange(16, 32, dtype=dtype)
+    run(h, d, None, None, False)
+    (name, args), = [c for c in raw.calls if c[0] != "kvio_signaled_layer_group"]
+    assert name == "kvio_load_layers_signaled_inline"
+    assert args[5:8] == (h.data_ptr(), int(dtype is torch.int64), None) and args[9] == 16
+
+
+@pytest.mark.parametrize(("tokens", "layer"), [(16, 1), (INLINE_INDEX_TOKENS + 1, None)])
+def test_cpu_host_indices_the_library_cannot_carry_are_refused_before_any_call(
+        tokens: int, layer: int | None) -> None:
+    """A per-layer launch, or more than INLINE_INDEX_TOKENS, with host indices on the CPU
+    raises InvalidArgument naming them: no kernel ever gets a CPU address to dereference."""
+    raw = RawLib()
+    run, _ = _inline_runner(raw)
+    with pytest.raises(InvalidArgument, match="host_indices"):
+        run(torch.arange(tokens), torch.arange(tokens, device="meta"), layer, None, False)
+    assert [c for c in raw.calls if c[0] != "kvio_signaled_layer_group"] == []
+
+
+def test_a_library_without_the_inline_load_takes_no_cpu_host_indices() -> None:
+    class Plain(RawLib):
+        def __getattr__(self, name: str) -> Any:
+            if name == "kvio_load_layers_signaled_inline":
+                raise AttributeError(name)
+            return super().__getattr__(name)
+
+    run, d = _inline_runner(Plain())
+    assert getattr(run, "inline_host_tokens", 0) == 0
+    with pytest.raises(InvalidArgument, match="host_indices"):
+        run(torch.arange(16), d, None, None, False)

@@ -20,6 +20,7 @@ from kvcore import buildcache
 from kvcore.errors import BuildError, DeviceFault, InvalidArgument, KernelError
 from kvcore.native_abi import (
     ABI_VERSION,
+    INLINE_INDEX_TOKENS,
     OPTIONAL_PROTOTYPES,
     PROTOTYPES,
     KvioBounds,
@@ -427,6 +428,7 @@ class FakeDmaLib(FakeLib):
     kvio_transfer_direct_chained = _recording("kvio_transfer_direct_chained")
     kvio_load_all_staged = _recording("kvio_load_all_staged")
     kvio_load_layers_signaled = _recording("kvio_load_layers_signaled")
+    kvio_load_layers_signaled_inline = _recording("kvio_load_layers_signaled_inline")
     kvio_wait_layer_signal = _recording("kvio_wait_layer_signal")
     signals = 1
 
@@ -612,6 +614,22 @@ def test_signaled_load_and_its_wait_marshalling() -> None:
     assert len(fake.calls) == 2
     with pytest.raises(KernelError, match=r"^kvio_wait_layer_signal: an illegal memory"):
         _native.NativeLibrary("fake.so", lib=FakeDmaLib(status=700)).wait_layer_signal(1, 1, 0)
+
+
+def test_the_inline_signaled_load_passes_what_the_signaled_one_passes() -> None:
+    fake = FakeDmaLib()
+    lib = _native.NativeLibrary("fake.so", lib=fake)
+    args = (0x1000, None, 61, 0x3000, LAYOUT, 0x4000, True, 0x5000, 0, 960, 0x6000, 0x6100,
+            0xFFFFFFFF, 0x7000)
+    lib.load_layers_signaled(*args, bounds=BOUNDS)
+    lib.load_layers_signaled_inline(*args, bounds=BOUNDS)
+    (plain, plain_args), (inline, inline_args) = fake.calls
+    assert (plain, inline) == ("kvio_load_layers_signaled", "kvio_load_layers_signaled_inline")
+    assert _argtypes(inline) == _argtypes(plain)
+    assert _values(inline_args)[5:] == _values(plain_args)[5:]
+    without = _native.NativeLibrary("fake.so", lib=FakeLib())
+    with pytest.raises(BuildError, match="kvio_load_layers_signaled"):
+        without.load_layers_signaled_inline(*args, bounds=BOUNDS)
 
 
 def test_signals_need_all_three_functions_and_a_runtime_that_can_wait() -> None:
@@ -929,3 +947,29 @@ def test_real_library_dma_load_refuses_an_out_of_range_cpu_index_before_any_cuda
     assert call(41, 12) == 1  # device 12, the end of the first run, is
     assert call(41, 11) == 1
     assert _reaches_the_runtime(call(41, 13))
+
+
+@pytest.mark.parametrize("width", [64, 32])
+def test_real_library_inline_signaled_load_refuses_what_it_cannot_carry_before_any_cuda_call(
+        real_library: _native.NativeLibrary, no_gpu: None, width: int) -> None:
+    """Its host indices are read on the CPU during the call: one out of range, or more than
+    KVIO_INLINE_INDEX_TOKENS, is refused before the runtime is asked anything."""
+    inline = real_library._lib.kvio_load_layers_signaled_inline
+    layout = _native.KvioLayout.from_fields(LAYOUT)
+    c_int = ctypes.c_int64 if width == 64 else ctypes.c_int32
+    n = INLINE_INDEX_TOKENS + 1
+    h = (c_int * n)(*range(100, 100 + n))
+    d = (ctypes.c_int64 * n)()
+
+    def call(tokens: int, host_tokens: int) -> int:
+        return inline(1, 0, 4, 1, layout, ctypes.addressof(h), int(width == 64),
+                      ctypes.addressof(d), 1, tokens, 1, 1, 1, None,
+                      _bounds(host_tokens, 1 << 20))
+
+    assert call(n, 1 << 20) == 1  # one more than the launch carries
+    assert call(64, 163) == 1  # host index 163 is out of range
+    h[0] = -1
+    assert call(64, 1 << 20) == 1  # so is -1
+    h[0] = 100
+    assert _reaches_the_runtime(call(64, 164))
+    assert _reaches_the_runtime(call(INLINE_INDEX_TOKENS, 1 << 20))

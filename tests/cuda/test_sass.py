@@ -223,6 +223,9 @@ COPY_KERNELS = [f"kvio_copy_{d}_v{v}_{i}" for d in ("d2h", "h2d") for v in (16, 
                 for i in ("i32", "i64")] + EARLY_KERNELS
 #: the signaled per-layer load (every layer in one grid, a ready flag per layer)
 SIGNALED_KERNELS = [f"kvio_signaled_h2d_v{v}_{i}" for v in (16, 8, 4, 2, 1) for i in ("i32", "i64")]
+#: the same with the host indices in the launch's arguments (kvio_load_layers_signaled_inline)
+INLINE_KERNELS = [f"kvio_signaled_inline_h2d_v{v}_i32" for v in (16, 8, 4, 2, 1)]
+SIGNALED_KERNELS += INLINE_KERNELS
 #: every kernel of the library
 ALL_KERNELS = COPY_KERNELS + SIGNALED_KERNELS + ["kvio_set_flags"]
 
@@ -464,3 +467,21 @@ def test_wheel_libraries_keep_hinted_copies_without_spills_on_every_architecture
             assert sorted(report) == sorted(ALL_KERNELS), (name, arch)
             for fn, r in report.items():
                 assert r["spill_stores"] == r["spill_loads"] == r["stack"] == 0, (arch, fn, r)
+
+
+#: a 32-bit load from the kernel's parameter bank at an address computed per thread (the
+#: 64-bit ones also pick a K or V layer table)
+INDEXED_PARAMETER_LOAD = re.compile(r"\bLDC R\d+, c\[0x0\]\[R\d+")
+
+
+@pytest.mark.parametrize("kernel", INLINE_KERNELS)
+def test_inline_kernels_read_host_indices_from_their_arguments_without_a_local_copy(
+        shipped: tuple[dict[str, str], str], kernel: str) -> None:
+    """The host indices are a __grid_constant__ argument: each thread reads its token's index
+    from the parameter bank (an indexed LDC), never from a per-thread copy in local memory;
+    the kernel without them never reads the bank at a computed address."""
+    sass = shipped[0]
+    assert INDEXED_PARAMETER_LOAD.search(sass[kernel]), kernel
+    assert not [o for o in opcodes(sass[kernel]) if o.startswith(("LDL", "STL"))]
+    plain = kernel.replace("_inline", "")
+    assert not INDEXED_PARAMETER_LOAD.search(sass[plain]), plain

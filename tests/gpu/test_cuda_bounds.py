@@ -178,3 +178,68 @@ def test_the_dma_load_on_the_legacy_stream_equals_the_one_on_a_side_stream() -> 
     assert torch.equal(rig.k[2][d].cpu(), hv[0, 2, h])
     assert ctypes.sizeof(KvioReport) == 32
     assert not rig.report.any()
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+def test_an_inline_signaled_load_moves_the_host_indices_of_the_call(dtype: torch.dtype) -> None:
+    """kvio_load_layers_signaled_inline reads its host indices during the call: the load runs
+    50 ms later, after the caller overwrote them, and still moves what they named at the call
+    (and skips and reports its out-of-range device index, as the uploaded load does)."""
+    lib = _library()
+    if not lib.has_layer_signals() or "kvio_load_layers_signaled_inline" not in lib.optional:
+        pytest.skip("the library has no inline signaled load")
+    gen = torch.Generator().manual_seed(9)
+    rig = _rig(gen)
+    h, d, j = _indices(gen, DEV_TOKENS + 4)
+    good = torch.ones(h.numel(), dtype=torch.bool)
+    good[j] = False
+    before = [[t.cpu() for t in side] for side in (rig.k, rig.v)]
+    counters = torch.zeros(LAYERS, dtype=torch.int32, device=DEVICE)
+    flags = torch.zeros(LAYERS, dtype=torch.int32, device=DEVICE)
+    h_cpu, d_dev = h.to(dtype), d.to(DEVICE)
+    bounds = make_bounds(HOST_TOKENS, DEV_TOKENS, rig.report.data_ptr(), EPOCH)
+    stream = torch.cuda.current_stream(DEVICE)
+    torch.cuda._sleep(100_000_000)  # about 50 ms ahead of the load on its stream
+    lib.load_layers_signaled_inline(rig.ptrs[0].data_ptr(), rig.ptrs[1].data_ptr(), LAYERS,
+                                    rig.host.data_ptr(), rig.layout, h_cpu.data_ptr(),
+                                    int(dtype is torch.int64), d_dev.data_ptr(), 1, h.numel(),
+                                    counters.data_ptr(), flags.data_ptr(), 11,
+                                    stream.cuda_stream, bounds=bounds)
+    h_cpu.copy_(torch.flip(h, (0,)))  # other host pages, while the load still waits
+    stream.synchronize()
+    assert flags.tolist() == [11] * LAYERS and counters.tolist() == [0] * LAYERS
+    hv = rig.host.view(2, LAYERS, HOST_TOKENS, ELEM)
+    for side, tensors in enumerate((rig.k, rig.v)):
+        for layer in range(LAYERS):
+            want = before[side][layer].clone()
+            want[d[good]] = hv[side, layer, h[good]]
+            assert torch.equal(tensors[layer].cpu(), want), (side, layer)
+    r = rig.fields()
+    assert (r.host_epoch, r.device_epoch, r.device_value) == (0, EPOCH, DEV_TOKENS + 4)
+
+
+def test_an_inline_signaled_load_refuses_a_bad_host_index_and_enqueues_nothing() -> None:
+    from kvcore.errors import KernelError
+
+    lib = _library()
+    if not lib.has_layer_signals() or "kvio_load_layers_signaled_inline" not in lib.optional:
+        pytest.skip("the library has no inline signaled load")
+    gen = torch.Generator().manual_seed(10)
+    rig = _rig(gen)
+    h, d, _ = _indices(gen, None)
+    h[3] = HOST_TOKENS  # one past the host pool
+    before = [t.cpu() for t in rig.k]
+    flags = torch.zeros(LAYERS, dtype=torch.int32, device=DEVICE)
+    counters = torch.zeros(LAYERS, dtype=torch.int32, device=DEVICE)
+    d_dev = d.to(DEVICE)
+    bounds = make_bounds(HOST_TOKENS, DEV_TOKENS, rig.report.data_ptr(), EPOCH)
+    stream = torch.cuda.current_stream(DEVICE)
+    with pytest.raises(KernelError, match="kvio_load_layers_signaled_inline"):
+        lib.load_layers_signaled_inline(rig.ptrs[0].data_ptr(), rig.ptrs[1].data_ptr(), LAYERS,
+                                        rig.host.data_ptr(), rig.layout, h.data_ptr(), 1,
+                                        d_dev.data_ptr(), 1, h.numel(), counters.data_ptr(),
+                                        flags.data_ptr(), 5, stream.cuda_stream, bounds=bounds)
+    stream.synchronize()  # the GPU is still usable, and nothing ran
+    assert flags.tolist() == [0] * LAYERS
+    assert all(torch.equal(t.cpu(), b) for t, b in zip(rig.k, before, strict=True))
+    assert rig.fields().host_epoch == 0

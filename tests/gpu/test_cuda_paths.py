@@ -260,6 +260,38 @@ def test_back_to_back_signaled_loads_on_one_stream_raise_growing_epochs_and_stay
                            expected.layers(0)[layer].view(torch.int16)), layer
 
 
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+@pytest.mark.parametrize("pages", [15, 16])
+def test_a_signaled_load_equals_the_reference_with_host_indices_in_its_launch_or_uploaded(
+        pages: int, dtype: torch.dtype) -> None:
+    """Up to KVIO_INLINE_INDEX_TOKENS CPU host indices (15 pages of 64) travel in the launch,
+    more (16 pages) through the index ring: both move exactly what the reference moves and
+    leave every other device slot as it was."""
+    from kvcore.native_abi import INLINE_INDEX_TOKENS
+
+    gen = torch.Generator().manual_seed(300 + pages)
+    dev, host = _pools("mla", "page_first", gen)
+    bound = _plan(Op.LOAD_LAYER, "mla", "page_first", "cuda").bind(dev, host)
+    ref = _plan(Op.LOAD_LAYER, "mla", "page_first", "reference")
+    perm = torch.randperm(POOL_PAGES, generator=gen).tolist()
+    h, d = _tokens(perm[:pages]).to(dtype), _tokens(perm[pages:2 * pages]).to(DEVICE)
+    variant = bound.variant_for(h, d)
+    assert variant.layer_signals and bound._inline_host[id(variant)] == INLINE_INDEX_TOKENS
+    expected, before = dev.clone(), dev.clone()
+    for layer in range(LAYERS):
+        ref.transfer(expected, host, h.to(torch.int64), d, layer=layer)
+    sub = bound.submit(h, d)
+    sub.synchronize()
+    sub.check()
+    touched = torch.zeros(POOL_PAGES * PAGE, dtype=torch.bool, device=DEVICE)
+    touched[d] = True
+    for layer in range(LAYERS):
+        got, want = dev.layers(0)[layer], expected.layers(0)[layer]
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16)), layer
+        assert torch.equal(got[~touched].view(torch.int16),
+                           before.layers(0)[layer][~touched].view(torch.int16)), layer
+
+
 @pytest.mark.parametrize("layout", ["page_first", "layer_first"])
 def test_per_layer_submits_of_the_same_cpu_indices_move_what_each_submit_names(
         layout: str) -> None:

@@ -17,6 +17,9 @@
 //                           after layer, each group of layers raising their ready flags;
 //                           kvio_wait_layer_signal makes a stream wait for one flag;
 //                           kvio_signaled_layer_group says how many layers land together.
+//   kvio_load_layers_signaled_inline  (optional) the same with up to
+//                           KVIO_INLINE_INDEX_TOKENS host indices read from CPU memory during
+//                           the call and carried in the launch (no upload, no event).
 //   kvio_copy_to_device     (optional) one asynchronous copy of pinned host bytes to the
 //                           device (the index ring's upload, without torch's dispatch).
 //   kvio_write_back_staged_async / _after  (optional) the staged write-back as a job: issued
@@ -274,12 +277,22 @@ __device__ __forceinline__ void report_bad(const CopyParams& p, const BadIndex& 
     }
 }
 
+// Host token indices carried in the launch itself (kvio_load_layers_signaled_inline): the
+// kernel reads them from its parameter space, so nothing uploads them and nothing waits for an
+// upload. Values fit int32: the library checked each against host_tokens on the CPU. With the
+// other kernel arguments they stay within the 4 KiB every architecture accepts.
+struct InlineIndices {
+    int32_t v[KVIO_INLINE_INDEX_TOKENS];
+};
+
 // Host and device addresses of flat vector g (g < p.total); the flat work's layers start at
 // layer_begin. False, with the bad value(s) noted in `bad`, when an index is out of its
 // bounds: the vector is then skipped (nothing else is read for it, nothing is stored).
-template <int VEC, typename IdxT>
+// INL: the host indices are `inl` (InlineIndices::v of a __grid_constant__ argument).
+template <int VEC, typename IdxT, bool INL = false>
 __device__ __forceinline__ bool locate(const CopyParams& p, IdxT g, int64_t layer_begin,
-                                       char*& host, char*& dev, BadIndex& bad) {
+                                       char*& host, char*& dev, BadIndex& bad,
+                                       const int32_t* inl = nullptr) {
     const IdxT nvec = static_cast<IdxT>(p.nvec);
     const IdxT s0 = static_cast<IdxT>(p.size[0]);
     const IdxT s1 = static_cast<IdxT>(p.size[1]);
@@ -296,8 +309,12 @@ __device__ __forceinline__ bool locate(const CopyParams& p, IdxT g, int64_t laye
     const IdxT l = pick(p.pos_layer, i0, i1, i2);
     const IdxT c = pick(p.pos_chunk, i0, i1, i2);
 
-    const int64_t h = p.host_idx ? load_index(p.host_idx, p.host_idx_64, t)
-                                 : static_cast<int64_t>(t);
+    int64_t h;
+    if constexpr (INL) {
+        h = static_cast<int64_t>(inl[t]);
+    } else {
+        h = p.host_idx ? load_index(p.host_idx, p.host_idx_64, t) : static_cast<int64_t>(t);
+    }
     const int64_t d = load_index(p.dev_idx, p.dev_idx_64, t);
     // One unsigned compare per side also catches negative values.
     const bool host_ok = static_cast<uint64_t>(h) < static_cast<uint64_t>(p.host_tokens);
@@ -353,7 +370,7 @@ __device__ __forceinline__ void dependency_wait_then_release() {
 // Host strides and host_base are folded into VEC at launch; the device layer pointers are
 // only known here, so a vector whose addresses are not VEC-aligned is copied byte by byte
 // (correct for any pointer, fast only when aligned).
-template <int DIR, int VEC, typename IdxT>
+template <int DIR, int VEC, typename IdxT, bool INL = false>
 struct Tile {
     const char* src[kUnroll];
     char* dst[kUnroll];
@@ -362,7 +379,7 @@ struct Tile {
     BadIndex bad;
 
     __device__ __forceinline__ void load(const CopyParams& p, IdxT base, IdxT total,
-                                         int64_t layer_begin) {
+                                         int64_t layer_begin, const int32_t* inl = nullptr) {
         bad.sides = 0;
 #pragma unroll
         for (int k = 0; k < kUnroll; ++k) {
@@ -372,7 +389,7 @@ struct Tile {
             dst[k] = nullptr;
             char* host;
             char* dev;
-            if (g < total && locate<VEC, IdxT>(p, g, layer_begin, host, dev, bad)) {
+            if (g < total && locate<VEC, IdxT, INL>(p, g, layer_begin, host, dev, bad, inl)) {
                 src[k] = DIR == kDeviceToHost ? dev : host;
                 dst[k] = DIR == kDeviceToHost ? host : dev;
                 const uintptr_t bits =
@@ -467,9 +484,10 @@ struct Signals {
 // the whole group. The warp that completes a group never waits for another one: raising the
 // flags in layer order instead (one cursor over the layers) cost 3% of the rate, at every size
 // (h200-2026-12-05b).
-template <int VEC, typename IdxT>
+// INL: the host indices are `inl` (kvio_load_layers_signaled_inline), not p.host_idx.
+template <int VEC, typename IdxT, bool INL = false>
 __device__ __forceinline__ void signaled_body(const CopyParams& p, int32_t num_layers,
-                                              Signals sig) {
+                                              Signals sig, const int32_t* inl = nullptr) {
     constexpr uint32_t kWarps = kThreads / 32;
     const IdxT per_layer = static_cast<IdxT>(p.total);
     const uint64_t tiles_per_layer = (p.total + kTile - 1) / kTile;
@@ -479,8 +497,8 @@ __device__ __forceinline__ void signaled_body(const CopyParams& p, int32_t num_l
     for (uint64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
         const uint64_t layer = t / tiles_per_layer;
         const IdxT base = static_cast<IdxT>((t - layer * tiles_per_layer) * kTile);
-        Tile<kHostToDevice, VEC, IdxT> tile;
-        tile.load(p, base, per_layer, static_cast<int64_t>(layer));
+        Tile<kHostToDevice, VEC, IdxT, INL> tile;
+        tile.load(p, base, per_layer, static_cast<int64_t>(layer), inl);
         tile.store(p);
         fence_acq_rel_gpu();  // this thread's stores before the warp's count
         __syncwarp();
@@ -564,6 +582,19 @@ KVIO_SIGNALED_KERNEL(kvio_signaled_h2d_v2_i32, 2, uint32_t, kBlocksPerSm)
 KVIO_SIGNALED_KERNEL(kvio_signaled_h2d_v2_i64, 2, uint64_t, kWideBlocksPerSm)
 KVIO_SIGNALED_KERNEL(kvio_signaled_h2d_v1_i32, 1, uint32_t, kBlocksPerSm)
 KVIO_SIGNALED_KERNEL(kvio_signaled_h2d_v1_i64, 1, uint64_t, kWideBlocksPerSm)
+// signaled_inline: the same with the host indices in the launch (InlineIndices). Its loads
+// are small (KVIO_INLINE_INDEX_TOKENS tokens at most), so a 32-bit flat index always does.
+#define KVIO_SIGNALED_INLINE_KERNEL(NAME, VEC)                                        \
+    extern "C" __global__ void __launch_bounds__(kThreads, kBlocksPerSm)              \
+        NAME(const CopyParams p, int32_t num_layers, Signals sig,                     \
+             const __grid_constant__ InlineIndices inl) {                             \
+        signaled_body<VEC, uint32_t, true>(p, num_layers, sig, inl.v);                \
+    }
+KVIO_SIGNALED_INLINE_KERNEL(kvio_signaled_inline_h2d_v16_i32, 16)
+KVIO_SIGNALED_INLINE_KERNEL(kvio_signaled_inline_h2d_v8_i32, 8)
+KVIO_SIGNALED_INLINE_KERNEL(kvio_signaled_inline_h2d_v4_i32, 4)
+KVIO_SIGNALED_INLINE_KERNEL(kvio_signaled_inline_h2d_v2_i32, 2)
+KVIO_SIGNALED_INLINE_KERNEL(kvio_signaled_inline_h2d_v1_i32, 1)
 // sets flags[0, n) to epoch (a signaled load with no tokens: every layer is ready at once)
 extern "C" __global__ void kvio_set_flags(uint32_t* flags, int32_t n, uint32_t epoch) {
     for (int32_t i = static_cast<int32_t>(threadIdx.x); i < n; i += blockDim.x) {
@@ -604,6 +635,21 @@ const SignaledKernel kSignaledKernels[5][2] = {
     {kvio_signaled_h2d_v8_i32, kvio_signaled_h2d_v8_i64},
     {kvio_signaled_h2d_v16_i32, kvio_signaled_h2d_v16_i64},
 };
+
+using SignaledInlineKernel = void (*)(const CopyParams, int32_t, Signals,
+                                      const InlineIndices);
+
+// [log2(VEC)]
+const SignaledInlineKernel kSignaledInlineKernels[5] = {
+    kvio_signaled_inline_h2d_v1_i32, kvio_signaled_inline_h2d_v2_i32,
+    kvio_signaled_inline_h2d_v4_i32, kvio_signaled_inline_h2d_v8_i32,
+    kvio_signaled_inline_h2d_v16_i32,
+};
+// every argument of a launch, laid out in order with the alignment of each (the limit older
+// drivers and architectures accept)
+static_assert(sizeof(CopyParams) + 2 * sizeof(uint64_t) + sizeof(Signals) +
+                      sizeof(InlineIndices) <= 4096,
+              "the inline signaled kernel's arguments must fit 4 KiB");
 
 // ---------------------------------------------------------------------------------------
 // Host helpers
@@ -1379,14 +1425,33 @@ cudaError_t check_signaled(const uint64_t* k_ptrs, int32_t num_layers, void* hos
 // `stream`. counters (device, num_layers: one per group) are zero at the launch and left zero
 // (a memset per launch cost the caller a runtime call); flags[l] (num_layers) becomes `epoch`
 // once every layer of l's group (signaled_geometry) has landed.
+// inline_host: host_idx is CPU memory, copied into the launch (InlineIndices) during the call.
 cudaError_t load_layers_signaled(const uint64_t* k_ptrs, const uint64_t* v_ptrs,
                                  int32_t num_layers, void* host_base,
                                  const kvio_layout& layout, const void* host_idx,
                                  int host_idx_64, const void* dev_idx, int dev_idx_64,
                                  int64_t n_tokens, uint32_t* counters, uint32_t* flags,
-                                 uint32_t epoch, void* stream, const kvio_bounds* bounds) {
+                                 uint32_t epoch, void* stream, const kvio_bounds* bounds,
+                                 bool inline_host = false) {
     KVIO_CHECK(check_signaled(k_ptrs, num_layers, host_base, layout, host_idx, dev_idx,
                               n_tokens, counters, flags, bounds));
+    InlineIndices inl;
+    if (inline_host) {
+        // read (and range-checked) here, on the CPU: an out-of-range one is refused before
+        // anything is enqueued, and the caller's memory is free once the call returns
+        if (n_tokens > KVIO_INLINE_INDEX_TOKENS) {
+            return cudaErrorInvalidValue;
+        }
+        const int64_t limit = bounds->host_tokens < INT32_MAX ? bounds->host_tokens : INT32_MAX;
+        for (int64_t i = 0; i < n_tokens; ++i) {
+            const int64_t h = host_idx_64 ? static_cast<const int64_t*>(host_idx)[i]
+                                          : static_cast<const int32_t*>(host_idx)[i];
+            if (static_cast<uint64_t>(h) >= static_cast<uint64_t>(limit)) {
+                return cudaErrorInvalidValue;
+            }
+            inl.v[i] = static_cast<int32_t>(h);
+        }
+    }
     cudaStream_t s = static_cast<cudaStream_t>(stream);
     DeviceGuard guard;
     KVIO_CHECK(guard.enter(s));
@@ -1396,12 +1461,21 @@ cudaError_t load_layers_signaled(const uint64_t* k_ptrs, const uint64_t* v_ptrs,
     }
     // A tile with skipped vectors is still counted (every warp counts its part of every tile),
     // so every layer's flag is published even when indices are out of range.
-    CopyParams p = indexed_params(k_ptrs, v_ptrs, host_base, layout, host_idx, host_idx_64,
-                                  dev_idx, dev_idx_64, *bounds);
+    CopyParams p = indexed_params(k_ptrs, v_ptrs, host_base, layout,
+                                  inline_host ? nullptr : host_idx, host_idx_64, dev_idx,
+                                  dev_idx_64, *bounds);
     SignaledGeometry g;
     KVIO_CHECK(signaled_geometry(p, v_ptrs != nullptr ? 2 : 1, n_tokens, num_layers,
                                  layout.num_chunks, guard.device(), &g));
     const Signals sig = {counters, flags, epoch, g.group};
+    if (inline_host) {
+        if (needs_wide_index(p.total)) {  // layers of 2^31 vectors from at most 960 tokens
+            return cudaErrorInvalidValue;
+        }
+        kSignaledInlineKernels[log2_exact(g.vec)]<<<g.grid, kThreads, 0, s>>>(p, num_layers,
+                                                                            sig, inl);
+        return cudaGetLastError();
+    }
     const SignaledKernel kernel = kSignaledKernels[log2_exact(g.vec)][needs_wide_index(p.total)];
     kernel<<<g.grid, kThreads, 0, s>>>(p, num_layers, sig);
     return cudaGetLastError();
@@ -2399,6 +2473,19 @@ KVIO_API int kvio_load_layers_signaled(const uint64_t* k_ptrs, const uint64_t* v
     return finish(load_layers_signaled(k_ptrs, v_ptrs, num_layers, host_base, layout,
                                        host_idx, host_idx_64, dev_idx, dev_idx_64, n_tokens,
                                        counters, flags, epoch, stream, bounds));
+}
+
+KVIO_API int kvio_load_layers_signaled_inline(const uint64_t* k_ptrs, const uint64_t* v_ptrs,
+                                              int32_t num_layers, void* host_base,
+                                              kvio_layout layout, const void* host_idx,
+                                              int host_idx_64, const void* dev_idx,
+                                              int dev_idx_64, int64_t n_tokens,
+                                              uint32_t* counters, uint32_t* flags,
+                                              uint32_t epoch, void* stream,
+                                              const kvio_bounds* bounds) {
+    return finish(load_layers_signaled(k_ptrs, v_ptrs, num_layers, host_base, layout,
+                                       host_idx, host_idx_64, dev_idx, dev_idx_64, n_tokens,
+                                       counters, flags, epoch, stream, bounds, true));
 }
 
 KVIO_API int kvio_wait_layer_signal(const uint32_t* flag, uint32_t epoch, void* stream) {
