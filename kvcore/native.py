@@ -572,9 +572,13 @@ class NativeLayerSignals:
 
     def wait_layer_current(self, layer: int) -> None:
         """:meth:`wait_layer` on the device's current stream."""
-        # has_landed inlined: this runs once per layer per load
-        if (self._landed[layer] - self.epoch) & 0xFFFFFFFF >= 0x80000000:
-            self._enqueue(layer, self._current_raw(), None)
+        # has_landed and _enqueue's covered test inlined: this runs once per layer per load,
+        # and most layers share a group the stream already waits for
+        if (self._landed[layer] - self.epoch) & 0xFFFFFFFF < 0x80000000:
+            return
+        raw = self._current_raw()
+        if not self._covered.get(raw, 0) >> (layer // self.group) & 1:
+            self._enqueue(layer, raw, None)
 
     def _enqueue(self, layer: int, raw: int, stream: Any) -> None:
         """Make raw stream ``raw`` (the torch stream ``stream``; None: the current one) wait
