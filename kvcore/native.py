@@ -266,39 +266,44 @@ class NativeBackend:
         direction = DEVICE_TO_HOST if op is Op.WRITE_BACK else HOST_TO_DEVICE
         plain = unchecked("kvio_transfer_direct")
         chained_fn = self.optional_unchecked("kvio_transfer_direct_chained") or plain
+        # CPU host indices (up to INLINE_INDEX_TOKENS) where the library carries them in its
+        # launch; a pool on the CPU (an emulated library) takes CPU indices as its own
+        off_cpu = pool.device.type != "cpu"
+        inline_fn = self.optional_unchecked("kvio_transfer_direct_inline") if off_cpu else None
 
         def run_direct(h: torch.Tensor, d: torch.Tensor, layer: int | None, stream: Any,
                        chained: bool) -> BoundsCompletion:
+            fn = chained_fn if chained else plain
+            if h.is_cpu and off_cpu:
+                if inline_fn is None or h.numel() > INLINE_INDEX_TOKENS:
+                    raise _cpu_host_indices(h, layer)
+                fn = inline_fn
             done = issue(host_tokens, device_tokens, op)
             first, count = (0, num_layers) if layer is None else (layer, 1)
-            (chained_fn if chained else plain)(
-                direction, k_ptrs, v_ptrs, first, count, host_base, layout,
-                h.data_ptr() or None, 1 if h.dtype is int64 else 0, d.data_ptr() or None,
-                1 if d.dtype is int64 else 0, h.numel(), raw(stream) or None, done.bounds)
+            fn(direction, k_ptrs, v_ptrs, first, count, host_base, layout,
+               h.data_ptr() or None, 1 if h.dtype is int64 else 0, d.data_ptr() or None,
+               1 if d.dtype is int64 else 0, h.numel(), raw(stream) or None, done.bounds)
             return done
 
+        if inline_fn is not None:
+            run_direct.inline_host_tokens = INLINE_INDEX_TOKENS  # type: ignore[attr-defined]
         if not (op is Op.LOAD_LAYER and job.support.layer_signals):
             return run_direct
         by_layer = job_runner(self.run, job)
         signaled = self.optional_unchecked("kvio_load_layers_signaled")
-        # a pool on the CPU (an emulated library) takes CPU indices as its device's own
-        off_cpu = pool.device.type != "cpu"
         inline = self.optional_unchecked("kvio_load_layers_signaled_inline") \
             if signaled is not None and off_cpu else None
         groups: dict[int, int] = {}  # tokens per load -> layers that land together
 
         def run_signaled(h: torch.Tensor, d: torch.Tensor, layer: int | None, stream: Any,
                          chained: bool) -> BoundsCompletion | LayerSignals:
-            signals = layer is None and signaled is not None and self._layer_signals()
+            if layer is not None:
+                return run_direct(h, d, layer, stream, chained)
+            signals = signaled is not None and self._layer_signals()
             host_inline = h.is_cpu and off_cpu
             if host_inline and not (signals and inline is not None
                                     and h.numel() <= INLINE_INDEX_TOKENS):
-                raise InvalidArgument("host_indices", "device-resident indices (CPU ones only "
-                                      "for a signaled load of every layer of at most "
-                                      f"{INLINE_INDEX_TOKENS} tokens)",
-                                      f"{h.numel()} on the CPU, layer {layer}")
-            if layer is not None:
-                return run_direct(h, d, layer, stream, chained)
+                raise _cpu_host_indices(h, layer)
             if not signals:
                 return by_layer(h, d, layer, stream, chained)  # one launch per layer
             assert signaled is not None  # (signals says so)
@@ -322,9 +327,7 @@ class NativeBackend:
                        done.bounds)
             return NativeLayerSignals(self, buf, epoch, done, group, num_layers)
 
-        if inline is not None and self._layer_signals():
-            # a load of every layer with at most this many host indices on the CPU may pass
-            # them as they are: the library copies them into the launch (no upload)
+        if inline is not None and inline_fn is not None and self._layer_signals():
             run_signaled.inline_host_tokens = INLINE_INDEX_TOKENS  # type: ignore[attr-defined]
         return run_signaled
 
@@ -492,6 +495,13 @@ class NativeBackend:
             with on_stream(torch_stream):
                 buf = self._signals[stream] = SignalBuffer(self.device, max(num_layers, 128))
         return buf
+
+
+def _cpu_host_indices(h: torch.Tensor, layer: int | None) -> InvalidArgument:
+    """The refusal of CPU host indices a runner cannot pass to its library as they are."""
+    return InvalidArgument("host_indices", "device-resident indices (on the CPU: at most "
+                           f"{INLINE_INDEX_TOKENS}, for a library that carries them in its "
+                           "launch)", f"{h.numel()} on the CPU (layer {layer})")
 
 
 class SignalBuffer:

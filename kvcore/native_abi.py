@@ -260,6 +260,9 @@ _STAGED_JOB = (_c.c_int, (
 OPTIONAL_PROTOTYPES: dict[str, tuple[Any, tuple[Any, ...]]] = {
     # kvio_transfer_direct's arguments; the caller vouches for the chained-load guarantee
     "kvio_transfer_direct_chained": PROTOTYPES["kvio_transfer_direct"],
+    # the same, host_idx in CPU memory, read during the call and carried in the launch (at
+    # most INLINE_INDEX_TOKENS of them)
+    "kvio_transfer_direct_inline": PROTOTYPES["kvio_transfer_direct"],
     # kvio_write_back_staged's arguments, the other direction
     "kvio_load_all_staged": PROTOTYPES["kvio_write_back_staged"],
     "kvio_load_layer_dma": (_c.c_int, (

@@ -265,8 +265,8 @@ class BoundPlan:
         self._context = plan.context  # (every check names it; built once)
         self._runners = {id(v): runner_for(self.backend, self._template(v))
                          for v in (self.support, self.device_support)}
-        # variant -> how many CPU host indices its runner takes as they are, in a transfer of
-        # every layer, where its spec wants them on the device (see _issue)
+        # variant -> how many CPU host indices its runner takes as they are (its library
+        # carries them in the launch) where its spec wants them on the device (see _issue)
         self._inline_host = {key: int(getattr(run, "inline_host_tokens", 0))
                              for key, run in self._runners.items()}
         # (host indices on the CPU, device indices on the CPU) -> the variant that runs
@@ -419,8 +419,8 @@ class BoundPlan:
         s = stream if stream is not None else current_stream(self.device)
         device = self.device
         h_placed = fits(h, support.host_index, device)
-        if (not h_placed and layer is None and h.is_cpu
-                and h.numel() <= self._inline_host[id(support)] and h.is_contiguous()):
+        if (not h_placed and h.is_cpu and h.numel() <= self._inline_host[id(support)]
+                and h.is_contiguous()):
             h_placed = True  # the runner copies them into its launch: nothing to upload
         d_placed = fits(d, support.device_index, device)
         if h_placed and d_placed:

@@ -10,6 +10,7 @@ KVIO_API const char* kvio_error_string(int code) { (void)code; return "null"; }
 KVIO_API int kvio_has_batched_memcpy(void) { return 1; }
 KVIO_API int kvio_transfer_direct(int a, const uint64_t* b, const uint64_t* c, int32_t d, int32_t e, void* f, kvio_layout g, const void* h, int i, const void* j, int k, int64_t l, void* m, const kvio_bounds* n) { return 0; }
 KVIO_API int kvio_transfer_direct_chained(int a, const uint64_t* b, const uint64_t* c, int32_t d, int32_t e, void* f, kvio_layout g, const void* h, int i, const void* j, int k, int64_t l, void* m, const kvio_bounds* n) { return 0; }
+KVIO_API int kvio_transfer_direct_inline(int a, const uint64_t* b, const uint64_t* c, int32_t d, int32_t e, void* f, kvio_layout g, const void* h, int i, const void* j, int k, int64_t l, void* m, const kvio_bounds* n) { return l <= KVIO_INLINE_INDEX_TOKENS ? 0 : 1; }
 KVIO_API int kvio_write_back_staged(const uint64_t* a, const uint64_t* b, int32_t c, void* d, kvio_layout e, const int64_t* f, const void* g, int h, int64_t i, void* j, int64_t k, int l, void* m, const kvio_bounds* n) { return 0; }
 KVIO_API int kvio_load_all_staged(const uint64_t* a, const uint64_t* b, int32_t c, void* d, kvio_layout e, const int64_t* f, const void* g, int h, int64_t i, void* j, int64_t k, int l, void* m, const kvio_bounds* n) { return 0; }
 KVIO_API int kvio_load_layer_dma(void* a, void* b, int32_t c, void* d, kvio_layout e, const int64_t* f, const int64_t* g, int64_t h, int i, void* j, const kvio_bounds* k) { return 0; }

@@ -118,12 +118,21 @@ KVIO_API int kvio_load_layers_signaled(const uint64_t* k_ptrs, const uint64_t* v
                                        const void* dev_idx, int dev_idx_64, int64_t n_tokens,
                                        uint32_t* counters, uint32_t* flags, uint32_t epoch,
                                        void* stream, const kvio_bounds* bounds);
-/* kvio_load_layers_signaled_inline (optional): kvio_load_layers_signaled whose host_idx is CPU
- * memory, read during the call (an index outside [0, bounds->host_tokens) is refused before
- * anything is enqueued) and carried in the launch itself, so nothing uploads it and the
- * caller may reuse it at once. A library that exports it takes any n_tokens up to
- * KVIO_INLINE_INDEX_TOKENS (more: an error, nothing enqueued). */
+/* kvio_load_layers_signaled_inline and kvio_transfer_direct_inline (optional): the calls
+ * without _inline, whose host_idx is CPU memory, read during the call (an index outside
+ * [0, bounds->host_tokens) is refused before anything is enqueued) and carried in the launch
+ * itself, so nothing uploads it and the caller may reuse it at once. A library that exports
+ * one takes any n_tokens up to KVIO_INLINE_INDEX_TOKENS (more: an error, nothing enqueued).
+ * kvio_transfer_direct_inline never reads the host before the previous kernel of the stream
+ * completed (the guarantee kvio_transfer_direct_chained may use is not used). */
 #define KVIO_INLINE_INDEX_TOKENS 960
+KVIO_API int kvio_transfer_direct_inline(int direction, const uint64_t* k_ptrs,
+                                         const uint64_t* v_ptrs, int32_t layer_begin,
+                                         int32_t layer_count, void* host_base,
+                                         kvio_layout layout, const void* host_idx,
+                                         int host_idx_64, const void* dev_idx, int dev_idx_64,
+                                         int64_t n_tokens, void* stream,
+                                         const kvio_bounds* bounds);
 KVIO_API int kvio_load_layers_signaled_inline(const uint64_t* k_ptrs, const uint64_t* v_ptrs,
                                               int32_t num_layers, void* host_base,
                                               kvio_layout layout, const void* host_idx,

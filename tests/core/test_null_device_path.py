@@ -85,7 +85,11 @@ def test_what_each_controller_call_asks_of_the_runtime() -> None:
     # 128 MiB: handed to the library's thread, which records the caller's point itself
     assert rows[("mha", "page_first", "16")][0] == (
         "kvio_write_back_staged_async 1, stream.current 1")
-    assert rows[("mha", "layer_first", "1")][0] == uploaded.format(
+    # layer_first: the direct kernel's write-back, its host indices in the launch up to
+    # KVIO_INLINE_INDEX_TOKENS, else uploaded
+    assert rows[("mha", "layer_first", "1")][0] == (
+        "event.record 2, kvio_transfer_direct_inline 1, stream.current 1, stream.wait_event 1")
+    assert rows[("mha", "layer_first", "16")][0] == uploaded.format(
         "kvio_copy_to_device 1, kvio_transfer_direct 1, ", "")
     # one page is 64 tokens, sixteen are 1024 (over the inline limit of 960)
     assert all(r[1] == (inline if pages == "1" else load) and r[2] == WAITS

@@ -191,7 +191,9 @@ class MetaNative(CpuNative):
     """Stands for a GPU backend: its pool lives off the CPU (torch's meta device)."""
 
 
-def _inline_runner(raw: RawLib) -> tuple[Any, torch.Tensor]:
+def _inline_runner(raw: RawLib, op: Op = Op.LOAD_LAYER) -> tuple[Any, torch.Tensor]:
+    """A runner of ``op`` (the signaled load, or the direct write-back) on a pool off the
+    CPU."""
     backend = MetaNative(torch.device("meta"),
                          NativeLibrary(None, runtime="cpu", name="raw", lib=raw),  # type: ignore[arg-type]
                          staging_bytes=1 << 20)
@@ -199,9 +201,10 @@ def _inline_runner(raw: RawLib) -> tuple[Any, torch.Tensor]:
     g = Geometry(Kind.MLA, Layout.PAGE_FIRST, 3, 64, 1, 64, 16)
     host = HostPool.wrap(torch.empty(host_shape(g), dtype=torch.bfloat16), "mla", "page_first",
                          3, 1, 64, 16)
-    support = next(s for s in native_ops(signaled_load=True) if s.layer_signals)
+    support = next(s for s in native_ops(signaled_load=True) if s.op is op
+                   and (s.layer_signals if op is Op.LOAD_LAYER else s.variant == "direct"))
     none = torch.empty(0, dtype=torch.int64)
-    template = TransferJob(op=Op.LOAD_LAYER, support=support, device_pool=dev,
+    template = TransferJob(op=op, support=support, device_pool=dev,
                            host_buffer=host.buffer, host_geometry=host.geometry,
                            host_strides=host.strides, host_indices=none, device_indices=none)
     return runner_for(backend, template), torch.arange(16, device="meta")
@@ -222,26 +225,50 @@ def test_cpu_host_indices_of_a_signaled_load_go_to_the_library_in_the_call(
     assert args[5:8] == (h.data_ptr(), int(dtype is torch.int64), None) and args[9] == 16
 
 
-@pytest.mark.parametrize(("tokens", "layer"), [(16, 1), (INLINE_INDEX_TOKENS + 1, None)])
-def test_cpu_host_indices_the_library_cannot_carry_are_refused_before_any_call(
-        tokens: int, layer: int | None) -> None:
-    """A per-layer launch, or more than INLINE_INDEX_TOKENS, with host indices on the CPU
-    raises InvalidArgument naming them: no kernel ever gets a CPU address to dereference."""
+@pytest.mark.parametrize(("op", "layer", "chained", "function"), [
+    (Op.LOAD_LAYER, 1, False, "kvio_transfer_direct_inline"),
+    (Op.LOAD_LAYER, 2, True, "kvio_transfer_direct_inline"),  # (never the early kernel)
+    (Op.WRITE_BACK, None, False, "kvio_transfer_direct_inline"),
+])
+def test_cpu_host_indices_of_a_direct_launch_go_to_the_library_in_the_call(
+        op: Op, layer: int | None, chained: bool, function: str) -> None:
     raw = RawLib()
-    run, _ = _inline_runner(raw)
+    run, d = _inline_runner(raw, op)
+    assert run.inline_host_tokens == INLINE_INDEX_TOKENS
+    h = torch.arange(16, 32)
+    run(h, d, layer, None, chained)
+    (name, args), = raw.calls
+    assert name == function
+    first, count = (0, 3) if layer is None else (layer, 1)
+    assert args[3:5] == (first, count) and args[7:9] == (h.data_ptr(), 1) and args[11] == 16
+
+
+@pytest.mark.parametrize("op", [Op.LOAD_LAYER, Op.WRITE_BACK])
+@pytest.mark.parametrize("layer", [None, 1])
+def test_cpu_host_indices_the_library_cannot_carry_are_refused_before_any_call(
+        op: Op, layer: int | None) -> None:
+    """More than INLINE_INDEX_TOKENS host indices on the CPU raise InvalidArgument naming
+    them: no kernel ever gets a CPU address to dereference."""
+    raw = RawLib()
+    run, _ = _inline_runner(raw, op)
+    tokens = INLINE_INDEX_TOKENS + 1
     with pytest.raises(InvalidArgument, match="host_indices"):
         run(torch.arange(tokens), torch.arange(tokens, device="meta"), layer, None, False)
     assert [c for c in raw.calls if c[0] != "kvio_signaled_layer_group"] == []
 
 
-def test_a_library_without_the_inline_load_takes_no_cpu_host_indices() -> None:
+@pytest.mark.parametrize("missing", ["kvio_load_layers_signaled_inline",
+                                     "kvio_transfer_direct_inline"])
+def test_a_library_without_an_inline_launch_takes_no_cpu_host_indices(missing: str) -> None:
+    """The signaled runner takes CPU host indices only where both launches it makes (all
+    layers, one layer) can carry them."""
     class Plain(RawLib):
         def __getattr__(self, name: str) -> Any:
-            if name == "kvio_load_layers_signaled_inline":
+            if name == missing:
                 raise AttributeError(name)
             return super().__getattr__(name)
 
     run, d = _inline_runner(Plain())
     assert getattr(run, "inline_host_tokens", 0) == 0
     with pytest.raises(InvalidArgument, match="host_indices"):
-        run(torch.arange(16), d, None, None, False)
+        run(torch.arange(16), d, None if "signaled" in missing else 1, None, False)

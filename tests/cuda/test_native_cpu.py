@@ -616,6 +616,10 @@ def test_signaled_load_and_its_wait_marshalling() -> None:
         _native.NativeLibrary("fake.so", lib=FakeDmaLib(status=700)).wait_layer_signal(1, 1, 0)
 
 
+def test_the_inline_direct_transfer_binds_the_direct_transfers_prototype() -> None:
+    assert _argtypes("kvio_transfer_direct_inline") == _argtypes("kvio_transfer_direct")
+
+
 def test_the_inline_signaled_load_passes_what_the_signaled_one_passes() -> None:
     fake = FakeDmaLib()
     lib = _native.NativeLibrary("fake.so", lib=fake)
@@ -949,12 +953,14 @@ def test_real_library_dma_load_refuses_an_out_of_range_cpu_index_before_any_cuda
     assert _reaches_the_runtime(call(41, 13))
 
 
+@pytest.mark.parametrize("function", ["kvio_load_layers_signaled_inline",
+                                      "kvio_transfer_direct_inline"])
 @pytest.mark.parametrize("width", [64, 32])
-def test_real_library_inline_signaled_load_refuses_what_it_cannot_carry_before_any_cuda_call(
-        real_library: _native.NativeLibrary, no_gpu: None, width: int) -> None:
-    """Its host indices are read on the CPU during the call: one out of range, or more than
+def test_real_library_inline_transfers_refuse_what_they_cannot_carry_before_any_cuda_call(
+        real_library: _native.NativeLibrary, no_gpu: None, width: int, function: str) -> None:
+    """Their host indices are read on the CPU during the call: one out of range, or more than
     KVIO_INLINE_INDEX_TOKENS, is refused before the runtime is asked anything."""
-    inline = real_library._lib.kvio_load_layers_signaled_inline
+    inline = getattr(real_library._lib, function)
     layout = _native.KvioLayout.from_fields(LAYOUT)
     c_int = ctypes.c_int64 if width == 64 else ctypes.c_int32
     n = INLINE_INDEX_TOKENS + 1
@@ -962,9 +968,12 @@ def test_real_library_inline_signaled_load_refuses_what_it_cannot_carry_before_a
     d = (ctypes.c_int64 * n)()
 
     def call(tokens: int, host_tokens: int) -> int:
-        return inline(1, 0, 4, 1, layout, ctypes.addressof(h), int(width == 64),
-                      ctypes.addressof(d), 1, tokens, 1, 1, 1, None,
-                      _bounds(host_tokens, 1 << 20))
+        indexed = (1, layout, ctypes.addressof(h), int(width == 64), ctypes.addressof(d), 1,
+                   tokens)
+        bounds = _bounds(host_tokens, 1 << 20)
+        if function == "kvio_transfer_direct_inline":
+            return inline(1, 1, 0, 0, 4, *indexed, None, bounds)
+        return inline(1, 0, 4, *indexed, 1, 1, 1, None, bounds)
 
     assert call(n, 1 << 20) == 1  # one more than the launch carries
     assert call(64, 163) == 1  # host index 163 is out of range

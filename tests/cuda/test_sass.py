@@ -219,13 +219,17 @@ def shipped(request: pytest.FixtureRequest, tools: tuple[build.Nvcc, Path],
 
 #: the chained per-layer load's kernels: host reads issued before the dependency wait
 EARLY_KERNELS = ["kvio_copy_h2d_v16_i32_early", "kvio_copy_h2d_v16_i64_early"]
+#: the direct copies with the host indices in the launch's arguments (kvio_transfer_direct_inline)
+COPY_INLINE_KERNELS = [f"kvio_copy_inline_{d}_v{v}_i32" for d in ("d2h", "h2d")
+                       for v in (16, 8, 4, 2, 1)]
 COPY_KERNELS = [f"kvio_copy_{d}_v{v}_{i}" for d in ("d2h", "h2d") for v in (16, 8, 4, 2, 1)
-                for i in ("i32", "i64")] + EARLY_KERNELS
+                for i in ("i32", "i64")] + EARLY_KERNELS + COPY_INLINE_KERNELS
 #: the signaled per-layer load (every layer in one grid, a ready flag per layer)
 SIGNALED_KERNELS = [f"kvio_signaled_h2d_v{v}_{i}" for v in (16, 8, 4, 2, 1) for i in ("i32", "i64")]
 #: the same with the host indices in the launch's arguments (kvio_load_layers_signaled_inline)
-INLINE_KERNELS = [f"kvio_signaled_inline_h2d_v{v}_i32" for v in (16, 8, 4, 2, 1)]
-SIGNALED_KERNELS += INLINE_KERNELS
+SIGNALED_INLINE_KERNELS = [f"kvio_signaled_inline_h2d_v{v}_i32" for v in (16, 8, 4, 2, 1)]
+SIGNALED_KERNELS += SIGNALED_INLINE_KERNELS
+INLINE_KERNELS = COPY_INLINE_KERNELS + SIGNALED_INLINE_KERNELS
 #: every kernel of the library
 ALL_KERNELS = COPY_KERNELS + SIGNALED_KERNELS + ["kvio_set_flags"]
 
@@ -483,5 +487,5 @@ def test_inline_kernels_read_host_indices_from_their_arguments_without_a_local_c
     sass = shipped[0]
     assert INDEXED_PARAMETER_LOAD.search(sass[kernel]), kernel
     assert not [o for o in opcodes(sass[kernel]) if o.startswith(("LDL", "STL"))]
-    plain = kernel.replace("_inline", "")
+    plain = kernel.replace("_inline", "")  # (its 32-bit flat index twin)
     assert not INDEXED_PARAMETER_LOAD.search(sass[plain]), plain

@@ -292,6 +292,32 @@ def test_a_signaled_load_equals_the_reference_with_host_indices_in_its_launch_or
                            before.layers(0)[layer][~touched].view(torch.int16)), layer
 
 
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+@pytest.mark.parametrize("pages", [15, 16])
+def test_a_direct_write_back_equals_the_reference_with_host_indices_in_its_launch_or_uploaded(
+        pages: int, dtype: torch.dtype) -> None:
+    """layer_first write-backs go to the direct kernel: up to KVIO_INLINE_INDEX_TOKENS CPU
+    host indices in its launch, more through the index ring. The whole host pool must equal
+    the reference's (the pages named written, every other byte as it was)."""
+    from kvcore.native_abi import INLINE_INDEX_TOKENS
+
+    gen = torch.Generator().manual_seed(400 + pages)
+    dev, host = _pools("mha", "layer_first", gen)
+    bound = _plan(Op.WRITE_BACK, "mha", "layer_first", "cuda").bind(dev, host)
+    perm = torch.randperm(POOL_PAGES, generator=gen).tolist()
+    h, d = _tokens(perm[:pages]).to(dtype), _tokens(perm[pages:2 * pages]).to(DEVICE)
+    variant = bound.variant_for(h, d)
+    assert variant.variant == "direct" and bound._inline_host[id(variant)] == INLINE_INDEX_TOKENS
+    expected = HostPool.wrap(host.buffer.clone(), "mha", "layer_first", LAYERS,
+                             *_geometry("mha"), PAGE)
+    _plan(Op.WRITE_BACK, "mha", "layer_first", "reference").transfer(dev, expected,
+                                                                     h.to(torch.int64), d)
+    sub = bound.submit(h, d)
+    sub.synchronize()
+    sub.check()
+    assert torch.equal(host.buffer.view(torch.int16), expected.buffer.view(torch.int16))
+
+
 @pytest.mark.parametrize("layout", ["page_first", "layer_first"])
 def test_per_layer_submits_of_the_same_cpu_indices_move_what_each_submit_names(
         layout: str) -> None:

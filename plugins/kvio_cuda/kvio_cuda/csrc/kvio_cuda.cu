@@ -17,6 +17,9 @@
 //                           after layer, each group of layers raising their ready flags;
 //                           kvio_wait_layer_signal makes a stream wait for one flag;
 //                           kvio_signaled_layer_group says how many layers land together.
+//   kvio_transfer_direct_inline  (optional) kvio_transfer_direct with up to
+//                           KVIO_INLINE_INDEX_TOKENS host indices read from CPU memory during
+//                           the call and carried in the launch.
 //   kvio_load_layers_signaled_inline  (optional) the same with up to
 //                           KVIO_INLINE_INDEX_TOKENS host indices read from CPU memory during
 //                           the call and carried in the launch (no upload, no event).
@@ -435,8 +438,9 @@ struct Tile {
 // the host buffer, the indices nor the layer tables read here; and since every copy kernel
 // releases its dependents only after its own wait, everything before that kernel has
 // completed once this grid runs. Otherwise every memory access follows the wait.
-template <int DIR, int VEC, typename IdxT, bool EARLY>
-__device__ __forceinline__ void copy_body(const CopyParams& p) {
+// INL: the host indices are `inl` (kvio_transfer_direct_inline), not p.host_idx.
+template <int DIR, int VEC, typename IdxT, bool EARLY, bool INL = false>
+__device__ __forceinline__ void copy_body(const CopyParams& p, const int32_t* inl = nullptr) {
     bool waited = !EARLY;
     if (!EARLY) {
         dependency_wait_then_release();
@@ -445,8 +449,8 @@ __device__ __forceinline__ void copy_body(const CopyParams& p) {
     const IdxT tile = static_cast<IdxT>(kTile);
     for (IdxT base = static_cast<IdxT>(blockIdx.x) * tile; base < total;
          base += static_cast<IdxT>(gridDim.x) * tile) {
-        Tile<DIR, VEC, IdxT> t;
-        t.load(p, base, total, p.layer_begin);
+        Tile<DIR, VEC, IdxT, INL> t;
+        t.load(p, base, total, p.layer_begin, inl);
         if (EARLY && !waited) {
             dependency_wait_then_release();
             waited = true;
@@ -564,6 +568,24 @@ KVIO_COPY_KERNEL(kvio_copy_h2d_v1_i64, kHostToDevice, 1, uint64_t)
 KVIO_COPY_KERNEL_EX(kvio_copy_h2d_v16_i32_early, kHostToDevice, 16, uint32_t, true)
 KVIO_COPY_KERNEL_EX(kvio_copy_h2d_v16_i64_early, kHostToDevice, 16, uint64_t, true)
 
+// inline: the direct copies with the host indices in the launch (InlineIndices), either
+// direction; at most KVIO_INLINE_INDEX_TOKENS tokens, so a 32-bit flat index always does
+#define KVIO_COPY_INLINE_KERNEL(NAME, DIR, VEC)                                       \
+    extern "C" __global__ void __launch_bounds__(kThreads, kBlocksPerSm)              \
+        NAME(const CopyParams p, const __grid_constant__ InlineIndices inl) {         \
+        copy_body<DIR, VEC, uint32_t, false, true>(p, inl.v);                         \
+    }
+KVIO_COPY_INLINE_KERNEL(kvio_copy_inline_d2h_v16_i32, kDeviceToHost, 16)
+KVIO_COPY_INLINE_KERNEL(kvio_copy_inline_d2h_v8_i32, kDeviceToHost, 8)
+KVIO_COPY_INLINE_KERNEL(kvio_copy_inline_d2h_v4_i32, kDeviceToHost, 4)
+KVIO_COPY_INLINE_KERNEL(kvio_copy_inline_d2h_v2_i32, kDeviceToHost, 2)
+KVIO_COPY_INLINE_KERNEL(kvio_copy_inline_d2h_v1_i32, kDeviceToHost, 1)
+KVIO_COPY_INLINE_KERNEL(kvio_copy_inline_h2d_v16_i32, kHostToDevice, 16)
+KVIO_COPY_INLINE_KERNEL(kvio_copy_inline_h2d_v8_i32, kHostToDevice, 8)
+KVIO_COPY_INLINE_KERNEL(kvio_copy_inline_h2d_v4_i32, kHostToDevice, 4)
+KVIO_COPY_INLINE_KERNEL(kvio_copy_inline_h2d_v2_i32, kHostToDevice, 2)
+KVIO_COPY_INLINE_KERNEL(kvio_copy_inline_h2d_v1_i32, kHostToDevice, 1)
+
 // signaled: the per-layer load of every layer in one grid, with per-layer ready flags. The
 // 64-bit variants (layers of 2^31 vectors and more) get twice the registers: with 64 they
 // spill.
@@ -634,6 +656,16 @@ const SignaledKernel kSignaledKernels[5][2] = {
     {kvio_signaled_h2d_v4_i32, kvio_signaled_h2d_v4_i64},
     {kvio_signaled_h2d_v8_i32, kvio_signaled_h2d_v8_i64},
     {kvio_signaled_h2d_v16_i32, kvio_signaled_h2d_v16_i64},
+};
+
+using CopyInlineKernel = void (*)(const CopyParams, const InlineIndices);
+
+// [direction][log2(VEC)]
+const CopyInlineKernel kCopyInlineKernels[2][5] = {
+    {kvio_copy_inline_d2h_v1_i32, kvio_copy_inline_d2h_v2_i32, kvio_copy_inline_d2h_v4_i32,
+     kvio_copy_inline_d2h_v8_i32, kvio_copy_inline_d2h_v16_i32},
+    {kvio_copy_inline_h2d_v1_i32, kvio_copy_inline_h2d_v2_i32, kvio_copy_inline_h2d_v4_i32,
+     kvio_copy_inline_h2d_v8_i32, kvio_copy_inline_h2d_v16_i32},
 };
 
 using SignaledInlineKernel = void (*)(const CopyParams, int32_t, Signals,
@@ -995,20 +1027,24 @@ unsigned grid_size(const DeviceInfo& info, uint64_t tiles) {
 // Plans and launches the copy kernel on `stream` (whose device must be current).
 // layer_count, n_tokens > 0. `chained`: the caller's guarantee of
 // kvio_transfer_direct_chained, which lets a 16-byte load use its EARLY kernel.
+// inl: the host indices travel in the launch (the inline kernels; never the early ones).
 cudaError_t launch_copy(int direction, CopyParams p, int num_kv, int64_t n_tokens,
                         int32_t layer_count, int64_t num_chunks, int device, bool chained,
-                        cudaStream_t stream) {
+                        cudaStream_t stream, const InlineIndices* inl = nullptr) {
     int vec = 0;
     KVIO_CHECK(plan_copy(p, num_kv, n_tokens, layer_count, num_chunks, &vec));
     if (p.total == 0) {
         return cudaSuccess;
     }
     const bool wide = needs_wide_index(p.total);
+    if (inl != nullptr && wide) {  // 2^31 vectors from at most 960 tokens
+        return cudaErrorInvalidValue;
+    }
     DeviceInfo info;
     KVIO_CHECK(device_info(device, &info));
     const unsigned grid = grid_size(info, (p.total + kTile - 1) / kTile);
     const int vec_log2 = log2_exact(vec);
-    const bool early = chained && direction == kHostToDevice && vec == 16;
+    const bool early = chained && direction == kHostToDevice && vec == 16 && inl == nullptr;
     const CopyKernel kernel = early ? kEarlyLoadKernels[wide ? 1 : 0]
                                     : kCopyKernels[direction][vec_log2][wide ? 1 : 0];
 
@@ -1033,8 +1069,32 @@ cudaError_t launch_copy(int direction, CopyParams p, int num_kv, int64_t n_token
     attr[0].val.programmaticStreamSerializationAllowed = 1;
     cfg.attrs = attr;
     cfg.numAttrs = pdl ? 1 : 0;
-    KVIO_CHECK(cudaLaunchKernelEx(&cfg, kernel, p));
+    if (inl != nullptr) {
+        KVIO_CHECK(cudaLaunchKernelEx(&cfg, kCopyInlineKernels[direction][vec_log2], p, *inl));
+    } else {
+        KVIO_CHECK(cudaLaunchKernelEx(&cfg, kernel, p));
+    }
     return cudaGetLastError();
+}
+
+// The n host indices at `idx` (CPU memory, int64 or int32) into `out`, read here on the CPU:
+// more than fit, or one outside [0, bounds.host_tokens), is refused before anything is
+// enqueued, and the caller's memory is free once the call returns.
+cudaError_t read_inline(const void* idx, int is64, int64_t n, const kvio_bounds& bounds,
+                        InlineIndices* out) {
+    if (n > KVIO_INLINE_INDEX_TOKENS) {
+        return cudaErrorInvalidValue;
+    }
+    const int64_t limit = bounds.host_tokens < INT32_MAX ? bounds.host_tokens : INT32_MAX;
+    for (int64_t i = 0; i < n; ++i) {
+        const int64_t h = is64 ? static_cast<const int64_t*>(idx)[i]
+                               : static_cast<const int32_t*>(idx)[i];
+        if (static_cast<uint64_t>(h) >= static_cast<uint64_t>(limit)) {
+            return cudaErrorInvalidValue;
+        }
+        out->v[i] = static_cast<int32_t>(h);
+    }
+    return cudaSuccess;
 }
 
 // Whether `b` is usable: v2 callers always pass bounds with a report.
@@ -1352,7 +1412,8 @@ cudaError_t transfer_direct(int direction, const uint64_t* k_ptrs, const uint64_
                             int32_t layer_begin, int32_t layer_count, void* host_base,
                             const kvio_layout& layout, const void* host_idx, int host_idx_64,
                             const void* dev_idx, int dev_idx_64, int64_t n_tokens,
-                            bool chained, void* stream, const kvio_bounds* bounds) {
+                            bool chained, void* stream, const kvio_bounds* bounds,
+                            bool inline_host = false) {
     if ((direction != kDeviceToHost && direction != kHostToDevice) || k_ptrs == nullptr ||
         host_base == nullptr || layer_begin < 0 || layer_count < 0 || n_tokens < 0 ||
         !layout_ok(layout) || !bounds_ok(bounds)) {
@@ -1364,16 +1425,21 @@ cudaError_t transfer_direct(int direction, const uint64_t* k_ptrs, const uint64_
     if (host_idx == nullptr || dev_idx == nullptr) {
         return cudaErrorInvalidValue;
     }
+    InlineIndices inl;
+    if (inline_host) {
+        KVIO_CHECK(read_inline(host_idx, host_idx_64, n_tokens, *bounds, &inl));
+    }
     cudaStream_t s = static_cast<cudaStream_t>(stream);
     DeviceGuard guard;
     KVIO_CHECK(guard.enter(s));
 
-    CopyParams p = indexed_params(k_ptrs, v_ptrs, host_base, layout, host_idx, host_idx_64,
-                                  dev_idx, dev_idx_64, *bounds);
+    CopyParams p = indexed_params(k_ptrs, v_ptrs, host_base, layout,
+                                  inline_host ? nullptr : host_idx, host_idx_64, dev_idx,
+                                  dev_idx_64, *bounds);
     p.layer_begin = layer_begin;
     const int num_kv = v_ptrs != nullptr ? 2 : 1;
     return launch_copy(direction, p, num_kv, n_tokens, layer_count, layout.num_chunks,
-                       guard.device(), chained, s);
+                       guard.device(), chained, s, inline_host ? &inl : nullptr);
 }
 
 // The launch of a signaled load: vector width, tiles per layer, grid (plans `p`) and how many
@@ -1437,20 +1503,7 @@ cudaError_t load_layers_signaled(const uint64_t* k_ptrs, const uint64_t* v_ptrs,
                               n_tokens, counters, flags, bounds));
     InlineIndices inl;
     if (inline_host) {
-        // read (and range-checked) here, on the CPU: an out-of-range one is refused before
-        // anything is enqueued, and the caller's memory is free once the call returns
-        if (n_tokens > KVIO_INLINE_INDEX_TOKENS) {
-            return cudaErrorInvalidValue;
-        }
-        const int64_t limit = bounds->host_tokens < INT32_MAX ? bounds->host_tokens : INT32_MAX;
-        for (int64_t i = 0; i < n_tokens; ++i) {
-            const int64_t h = host_idx_64 ? static_cast<const int64_t*>(host_idx)[i]
-                                          : static_cast<const int32_t*>(host_idx)[i];
-            if (static_cast<uint64_t>(h) >= static_cast<uint64_t>(limit)) {
-                return cudaErrorInvalidValue;
-            }
-            inl.v[i] = static_cast<int32_t>(h);
-        }
+        KVIO_CHECK(read_inline(host_idx, host_idx_64, n_tokens, *bounds, &inl));
     }
     cudaStream_t s = static_cast<cudaStream_t>(stream);
     DeviceGuard guard;
@@ -2385,6 +2438,18 @@ KVIO_API int kvio_transfer_direct_chained(int direction, const uint64_t* k_ptrs,
     return finish(transfer_direct(direction, k_ptrs, v_ptrs, layer_begin, layer_count,
                                   host_base, layout, host_idx, host_idx_64, dev_idx, dev_idx_64,
                                   n_tokens, true, stream, bounds));
+}
+
+KVIO_API int kvio_transfer_direct_inline(int direction, const uint64_t* k_ptrs,
+                                         const uint64_t* v_ptrs, int32_t layer_begin,
+                                         int32_t layer_count, void* host_base,
+                                         kvio_layout layout, const void* host_idx,
+                                         int host_idx_64, const void* dev_idx, int dev_idx_64,
+                                         int64_t n_tokens, void* stream,
+                                         const kvio_bounds* bounds) {
+    return finish(transfer_direct(direction, k_ptrs, v_ptrs, layer_begin, layer_count,
+                                  host_base, layout, host_idx, host_idx_64, dev_idx, dev_idx_64,
+                                  n_tokens, false, stream, bounds, true));
 }
 
 KVIO_API int kvio_write_back_staged(const uint64_t* k_ptrs, const uint64_t* v_ptrs,
