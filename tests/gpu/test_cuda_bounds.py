@@ -196,7 +196,7 @@ def test_an_inline_signaled_load_moves_the_host_indices_of_the_call(dtype: torch
     before = [[t.cpu() for t in side] for side in (rig.k, rig.v)]
     counters = torch.zeros(LAYERS, dtype=torch.int32, device=DEVICE)
     flags = torch.zeros(LAYERS, dtype=torch.int32, device=DEVICE)
-    h_cpu, d_dev = h.to(dtype), d.to(DEVICE)
+    h_cpu, d_dev = h.to(dtype, copy=True), d.to(DEVICE)  # (h itself stays as named)
     bounds = make_bounds(HOST_TOKENS, DEV_TOKENS, rig.report.data_ptr(), EPOCH)
     stream = torch.cuda.current_stream(DEVICE)
     torch.cuda._sleep(100_000_000)  # about 50 ms ahead of the load on its stream
