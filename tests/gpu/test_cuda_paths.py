@@ -357,17 +357,21 @@ def test_per_layer_submits_of_the_same_cpu_indices_move_what_each_submit_names(
                                             (Op.WRITE_BACK, "layer_first")])
 def test_a_transfer_waits_for_its_index_upload_held_back_on_the_rings_stream(
         op: Op, layout: str) -> None:
-    """CPU host indices go to the device on the index ring's own stream, and the transfer's
-    stream waits for them. Here the ring's stream is held 50 ms behind a sleeping kernel when
-    the transfer is submitted: a transfer that did not wait would read the slot before its
-    indices arrived (the ring's fresh device memory) and move other pages."""
+    """CPU host indices that do not fit a launch (more than KVIO_INLINE_INDEX_TOKENS) go to
+    the device on the index ring's own stream, and the transfer's stream waits for them. Here
+    the ring's stream is held 50 ms behind a sleeping kernel when the transfer is submitted: a
+    transfer that did not wait would read the slot before its indices arrived (the ring's
+    fresh device memory) and move other pages."""
+    from kvcore.native_abi import INLINE_INDEX_TOKENS
+
     gen = torch.Generator().manual_seed(61)
     plan, ref = _plan(op, "mha", layout, "cuda"), _plan(op, "mha", layout, "reference")
     dev, host = _pools("mha", layout, gen)
     bound = plan.bind(dev, host)
-    pages = torch.randperm(POOL_PAGES - 1, generator=gen)[:6] + 1  # (never page 0)
-    first, second = _tokens(pages[:3].tolist()), _tokens(pages[3:].tolist())
-    d = _tokens([5, 9, 2]).to(DEVICE)
+    n = INLINE_INDEX_TOKENS // PAGE + 1  # pages per transfer: one more than a launch carries
+    pages = torch.randperm(POOL_PAGES - 1, generator=gen)[:2 * n] + 1  # (never page 0)
+    first, second = _tokens(pages[:n].tolist()), _tokens(pages[n:].tolist())
+    d = _tokens(torch.randperm(POOL_PAGES, generator=gen)[:n].tolist()).to(DEVICE)
     stream = torch.cuda.Stream(DEVICE)
     with torch.cuda.stream(stream):
         bound.submit(first, d, stream=stream)  # makes the ring's stream
