@@ -74,15 +74,18 @@ def _rig(gen: torch.Generator) -> Rig:
     return Rig(k, v, ptrs, host, report)
 
 
-def _indices(gen: torch.Generator, bad: int | None) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Five whole host pages into distinct device slots; token 17's device index is `bad`."""
+def _indices(gen: torch.Generator, bad: int | None,
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Five whole host pages into distinct device slots; token 17's device index is `bad`.
+    The third tensor marks the tokens whose indices are in range (the ones moved)."""
     pages = torch.randperm(PAGES, generator=gen)[:5]
     h = (pages[:, None] * PAGE + torch.arange(PAGE)).flatten()
     d = torch.randperm(DEV_TOKENS, generator=gen)[:h.numel()]
-    j = 17
+    good = torch.ones(h.numel(), dtype=torch.bool)
     if bad is not None:
-        d[j] = bad
-    return h, d, j
+        d[17] = bad
+        good[17] = False
+    return h, d, good
 
 
 @pytest.mark.parametrize("bad", [DEV_TOKENS + 3, -1])
@@ -90,9 +93,7 @@ def test_a_direct_load_skips_an_out_of_range_device_index_and_reports_it(bad: in
     lib = _library()
     gen = torch.Generator().manual_seed(5)
     rig = _rig(gen)
-    h, d, j = _indices(gen, bad)
-    good = torch.ones(h.numel(), dtype=torch.bool)
-    good[j] = False
+    h, d, good = _indices(gen, bad)
     expected_k = [t.cpu() for t in rig.k]
     expected_v = [t.cpu() for t in rig.v]
     for layer in range(LAYERS):
@@ -119,9 +120,7 @@ def test_a_signaled_load_with_an_out_of_range_index_still_raises_every_flag() ->
         pytest.skip("the runtime cannot wait on a flag")
     gen = torch.Generator().manual_seed(6)
     rig = _rig(gen)
-    h, d, j = _indices(gen, DEV_TOKENS + 9)
-    good = torch.ones(h.numel(), dtype=torch.bool)
-    good[j] = False
+    h, d, good = _indices(gen, DEV_TOKENS + 9)
     before_k = [t.cpu() for t in rig.k]
     counters = torch.zeros(LAYERS, dtype=torch.int32, device=DEVICE)  # one per group
     flags = torch.zeros(LAYERS, dtype=torch.int32, device=DEVICE)
@@ -190,9 +189,7 @@ def test_an_inline_signaled_load_moves_the_host_indices_of_the_call(dtype: torch
         pytest.skip("the library has no inline signaled load")
     gen = torch.Generator().manual_seed(9)
     rig = _rig(gen)
-    h, d, j = _indices(gen, DEV_TOKENS + 4)
-    good = torch.ones(h.numel(), dtype=torch.bool)
-    good[j] = False
+    h, d, good = _indices(gen, DEV_TOKENS + 4)
     before = [[t.cpu() for t in side] for side in (rig.k, rig.v)]
     counters = torch.zeros(LAYERS, dtype=torch.int32, device=DEVICE)
     flags = torch.zeros(LAYERS, dtype=torch.int32, device=DEVICE)
