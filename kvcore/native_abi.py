@@ -26,7 +26,8 @@ __all__ = ["ABI_HEADER", "ABI_VERSION", "AFTER_WRITE_FUNCTIONS", "ASYNC_WRITE_FU
 
 #: the ABI version this binding speaks (kvio_abi_version() must return it)
 ABI_VERSION = 4
-#: KVIO_INLINE_INDEX_TOKENS: the host indices kvio_load_layers_signaled_inline takes at most
+#: KVIO_INLINE_INDEX_TOKENS: the most host indices kvio_transfer_direct_inline and
+#: kvio_load_layers_signaled_inline take (CPU memory, carried in the launch)
 INLINE_INDEX_TOKENS = 960
 
 #: the folder holding ``kvio_abi.h``, the ABI's C header (structs and prototypes): what a
@@ -510,7 +511,7 @@ class NativeLibrary:
                         layout: KvioLayout | Mapping[str, int], host_idx: int,
                         host_idx_64: int, dev_idx: int, dev_idx_64: int, n_tokens: int,
                         stream: int | None, chained: bool = False,
-                        bounds: KvioBounds | None = None) -> None:
+                        bounds: KvioBounds | None = None, inline: bool = False) -> None:
         """``kvio_transfer_direct``: copy layers [layer_begin, layer_begin + layer_count) of
         ``n_tokens`` token pairs; direction 0 = device -> host, 1 = host -> device.
 
@@ -519,14 +520,19 @@ class NativeLibrary:
         plain function, which is always correct): the caller vouches that the work just before
         this call on ``stream`` is an earlier call of the same transfer, writing nothing this
         one reads (docs/native-abi.md). ``bounds`` (a :class:`KvioBounds`) lets the kernels skip
-        and report an out-of-range index; None: :func:`unchecked_bounds`. Raises
-        InvalidArgument before any call for an argument out of range, KernelError when the
-        library returns a nonzero status.
+        and report an out-of-range index; None: :func:`unchecked_bounds`. ``inline`` calls
+        ``kvio_transfer_direct_inline``: ``host_idx`` is CPU memory, at most
+        :data:`INLINE_INDEX_TOKENS` of them, read during the call (BuildError where the
+        library lacks it; ``chained`` is then ignored). Raises InvalidArgument before any call
+        for an argument out of range, KernelError when the library returns a nonzero status.
         """
         if direction not in (0, 1):
             raise InvalidArgument("direction", "0 (device -> host) or 1 (host -> device)",
                                   repr(direction))
-        name = ("kvio_transfer_direct_chained"
+        if inline and "kvio_transfer_direct_inline" not in self.optional:
+            raise BuildError(f"{self._where()} does not export kvio_transfer_direct_inline")
+        name = ("kvio_transfer_direct_inline" if inline
+                else "kvio_transfer_direct_chained"
                 if chained and "kvio_transfer_direct_chained" in self.optional
                 else "kvio_transfer_direct")
         status = getattr(self._lib, name)(

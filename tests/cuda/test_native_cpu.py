@@ -429,6 +429,7 @@ class FakeDmaLib(FakeLib):
     kvio_load_all_staged = _recording("kvio_load_all_staged")
     kvio_load_layers_signaled = _recording("kvio_load_layers_signaled")
     kvio_load_layers_signaled_inline = _recording("kvio_load_layers_signaled_inline")
+    kvio_transfer_direct_inline = _recording("kvio_transfer_direct_inline")
     kvio_wait_layer_signal = _recording("kvio_wait_layer_signal")
     signals = 1
 
@@ -618,6 +619,16 @@ def test_signaled_load_and_its_wait_marshalling() -> None:
 
 def test_the_inline_direct_transfer_binds_the_direct_transfers_prototype() -> None:
     assert _argtypes("kvio_transfer_direct_inline") == _argtypes("kvio_transfer_direct")
+    fake = FakeDmaLib()
+    lib = _native.NativeLibrary("fake.so", lib=fake)
+    args = (0, 0x1000, None, 0, 32, 0x3000, LAYOUT, 0x4000, 1, 0x5000, 0, 960, 0x7000)
+    lib.transfer_direct(*args, chained=True, inline=True, bounds=BOUNDS)
+    lib.transfer_direct(*args, bounds=BOUNDS)
+    (inline, inline_args), (plain, plain_args) = fake.calls
+    assert (inline, plain) == ("kvio_transfer_direct_inline", "kvio_transfer_direct")
+    assert _values(inline_args)[7:] == _values(plain_args)[7:]
+    with pytest.raises(BuildError, match="kvio_transfer_direct_inline"):
+        _native.NativeLibrary("fake.so", lib=FakeLib()).transfer_direct(*args, inline=True)
 
 
 def test_the_inline_signaled_load_passes_what_the_signaled_one_passes() -> None:
