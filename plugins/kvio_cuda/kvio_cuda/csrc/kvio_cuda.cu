@@ -280,9 +280,9 @@ __device__ __forceinline__ void report_bad(const CopyParams& p, const BadIndex& 
     }
 }
 
-// Host token indices carried in the launch itself (kvio_load_layers_signaled_inline): the
-// kernel reads them from its parameter space, so nothing uploads them and nothing waits for an
-// upload. Values fit int32: the library checked each against host_tokens on the CPU. With the
+// Host token indices carried in the launch itself (kvio_transfer_direct_inline,
+// kvio_load_layers_signaled_inline): the kernel reads them from its parameter space, so
+// nothing uploads them and nothing waits for an upload. Values fit int32: the library checked each against host_tokens on the CPU. With the
 // other kernel arguments they stay within the 4 KiB every architecture accepts.
 struct InlineIndices {
     int32_t v[KVIO_INLINE_INDEX_TOKENS];
