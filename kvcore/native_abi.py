@@ -710,41 +710,37 @@ class NativeLibrary:
                              host_base: int, layout: KvioLayout | Mapping[str, int],
                              host_idx: int, host_idx_64: int, dev_idx: int, dev_idx_64: int,
                              n_tokens: int, counters: int, flags: int, epoch: int,
-                             stream: int | None, bounds: KvioBounds | None = None) -> None:
+                             stream: int | None, bounds: KvioBounds | None = None,
+                             inline: bool = False) -> None:
         """``kvio_load_layers_signaled`` (optional): a per-layer load of all ``num_layers``
         layers in one launch, layer after layer, in groups of consecutive layers
         (:meth:`signaled_layer_group`); ``flags[l]`` (uint32 the device stores to) becomes
         ``epoch`` once every layer of l's group has landed. ``counters`` (device uint32 x
         num_layers: one per group) must be zero at the first load; each load leaves them
         zero for the next on the stream. Indices and ``bounds`` as for :meth:`transfer_direct` (a
-        skipped vector's tile still counts: every flag is set). Raises BuildError when
-        the library lacks the function, InvalidArgument before any call for an argument out
-        of range, KernelError when the library returns a nonzero status.
+        skipped vector's tile still counts: every flag is set). ``inline`` calls
+        ``kvio_load_layers_signaled_inline``: ``host_idx`` is CPU memory, at most
+        :data:`INLINE_INDEX_TOKENS` of them, read during the call (the caller may reuse them
+        at once; one outside ``[0, bounds.host_tokens)`` is refused, KernelError, before
+        anything is enqueued). Raises BuildError when the library lacks the function,
+        InvalidArgument before any call for an argument out of range, KernelError when the
+        library returns a nonzero status.
         """
         self._require_signals()
-        self._signaled("kvio_load_layers_signaled", k_ptrs, v_ptrs, num_layers, host_base, layout,
-                       host_idx, host_idx_64, dev_idx, dev_idx_64, n_tokens, counters, flags,
-                       epoch, stream, bounds)
-
-    def load_layers_signaled_inline(self, k_ptrs: int, v_ptrs: int | None, num_layers: int,
-                                    host_base: int, layout: KvioLayout | Mapping[str, int],
-                                    host_idx: int, host_idx_64: int, dev_idx: int,
-                                    dev_idx_64: int, n_tokens: int, counters: int, flags: int,
-                                    epoch: int, stream: int | None,
-                                    bounds: KvioBounds | None = None) -> None:
-        """``kvio_load_layers_signaled_inline`` (optional): :meth:`load_layers_signaled` with
-        ``host_idx`` in CPU memory, at most :data:`INLINE_INDEX_TOKENS` of them, read during
-        the call and carried in the launch (the caller may reuse them at once). A host index
-        outside ``[0, bounds.host_tokens)`` is refused (KernelError) before anything is
-        enqueued. Raises as :meth:`load_layers_signaled`, and BuildError when the library
-        lacks this function."""
-        self._require_signals()
-        if "kvio_load_layers_signaled_inline" not in self.optional:
-            raise BuildError(f"{self._where()} does not export "
-                             "kvio_load_layers_signaled_inline")
-        self._signaled("kvio_load_layers_signaled_inline", k_ptrs, v_ptrs, num_layers,
-                       host_base, layout, host_idx, host_idx_64, dev_idx, dev_idx_64, n_tokens,
-                       counters, flags, epoch, stream, bounds)
+        name = "kvio_load_layers_signaled_inline" if inline else "kvio_load_layers_signaled"
+        if name not in self.optional:
+            raise BuildError(f"{self._where()} does not export {name}")
+        status = getattr(self._lib, name)(
+            _ptr("k_ptrs", k_ptrs), _ptr("v_ptrs", v_ptrs),
+            _int("num_layers", num_layers, _INT32), _ptr("host_base", host_base),
+            make_layout(layout), _ptr("host_idx", host_idx), _flag("host_idx_64", host_idx_64),
+            _ptr("dev_idx", dev_idx), _flag("dev_idx_64", dev_idx_64),
+            _int("n_tokens", n_tokens, _INT64), _ptr("counters", counters),
+            _ptr("flags", flags), _int("epoch", epoch, _UINT32),
+            _ptr("stream", stream),
+            _bounds(bounds),
+        )
+        self.check(name, status)
 
     def wait_layer_signal(self, flag: int, epoch: int, stream: int | None) -> None:
         """``kvio_wait_layer_signal`` (optional): ``stream`` waits until the device uint32 at
@@ -772,24 +768,6 @@ class NativeLibrary:
             ctypes.byref(group))
         self.check("kvio_signaled_layer_group", status)
         return max(1, min(int(group.value), num_layers))
-
-    def _signaled(self, function: str, k_ptrs: int, v_ptrs: int | None, num_layers: int,
-                  host_base: int, layout: KvioLayout | Mapping[str, int], host_idx: int,
-                  host_idx_64: int, dev_idx: int, dev_idx_64: int, n_tokens: int,
-                  counters: int, flags: int, epoch: int, stream: int | None,
-                  bounds: KvioBounds | None) -> None:
-        """Checks and passes the arguments the two signaled loads share."""
-        status = getattr(self._lib, function)(
-            _ptr("k_ptrs", k_ptrs), _ptr("v_ptrs", v_ptrs),
-            _int("num_layers", num_layers, _INT32), _ptr("host_base", host_base),
-            make_layout(layout), _ptr("host_idx", host_idx), _flag("host_idx_64", host_idx_64),
-            _ptr("dev_idx", dev_idx), _flag("dev_idx_64", dev_idx_64),
-            _int("n_tokens", n_tokens, _INT64), _ptr("counters", counters),
-            _ptr("flags", flags), _int("epoch", epoch, _UINT32),
-            _ptr("stream", stream),
-            _bounds(bounds),
-        )
-        self.check(function, status)
 
     def _require_signals(self) -> None:
         if missing := sorted(LAYER_SIGNAL_FUNCTIONS - self.optional):

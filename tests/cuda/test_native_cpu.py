@@ -637,14 +637,14 @@ def test_the_inline_signaled_load_passes_what_the_signaled_one_passes() -> None:
     args = (0x1000, None, 61, 0x3000, LAYOUT, 0x4000, True, 0x5000, 0, 960, 0x6000, 0x6100,
             0xFFFFFFFF, 0x7000)
     lib.load_layers_signaled(*args, bounds=BOUNDS)
-    lib.load_layers_signaled_inline(*args, bounds=BOUNDS)
+    lib.load_layers_signaled(*args, bounds=BOUNDS, inline=True)
     (plain, plain_args), (inline, inline_args) = fake.calls
     assert (plain, inline) == ("kvio_load_layers_signaled", "kvio_load_layers_signaled_inline")
     assert _argtypes(inline) == _argtypes(plain)
     assert _values(inline_args)[5:] == _values(plain_args)[5:]
     without = _native.NativeLibrary("fake.so", lib=FakeLib())
     with pytest.raises(BuildError, match="kvio_load_layers_signaled"):
-        without.load_layers_signaled_inline(*args, bounds=BOUNDS)
+        without.load_layers_signaled(*args, bounds=BOUNDS, inline=True)
 
 
 def test_signals_need_all_three_functions_and_a_runtime_that_can_wait() -> None:

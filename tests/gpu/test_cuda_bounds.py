@@ -197,11 +197,11 @@ def test_an_inline_signaled_load_moves_the_host_indices_of_the_call(dtype: torch
     bounds = make_bounds(HOST_TOKENS, DEV_TOKENS, rig.report.data_ptr(), EPOCH)
     stream = torch.cuda.current_stream(DEVICE)
     torch.cuda._sleep(100_000_000)  # about 50 ms ahead of the load on its stream
-    lib.load_layers_signaled_inline(rig.ptrs[0].data_ptr(), rig.ptrs[1].data_ptr(), LAYERS,
-                                    rig.host.data_ptr(), rig.layout, h_cpu.data_ptr(),
-                                    int(dtype is torch.int64), d_dev.data_ptr(), 1, h.numel(),
-                                    counters.data_ptr(), flags.data_ptr(), 11,
-                                    stream.cuda_stream, bounds=bounds)
+    lib.load_layers_signaled(rig.ptrs[0].data_ptr(), rig.ptrs[1].data_ptr(), LAYERS,
+                             rig.host.data_ptr(), rig.layout, h_cpu.data_ptr(),
+                             int(dtype is torch.int64), d_dev.data_ptr(), 1, h.numel(),
+                             counters.data_ptr(), flags.data_ptr(), 11, stream.cuda_stream,
+                             bounds=bounds, inline=True)
     h_cpu.copy_(torch.flip(h, (0,)))  # other host pages, while the load still waits
     stream.synchronize()
     assert flags.tolist() == [11] * LAYERS and counters.tolist() == [0] * LAYERS
@@ -232,10 +232,11 @@ def test_an_inline_signaled_load_refuses_a_bad_host_index_and_enqueues_nothing()
     bounds = make_bounds(HOST_TOKENS, DEV_TOKENS, rig.report.data_ptr(), EPOCH)
     stream = torch.cuda.current_stream(DEVICE)
     with pytest.raises(KernelError, match="kvio_load_layers_signaled_inline"):
-        lib.load_layers_signaled_inline(rig.ptrs[0].data_ptr(), rig.ptrs[1].data_ptr(), LAYERS,
-                                        rig.host.data_ptr(), rig.layout, h.data_ptr(), 1,
-                                        d_dev.data_ptr(), 1, h.numel(), counters.data_ptr(),
-                                        flags.data_ptr(), 5, stream.cuda_stream, bounds=bounds)
+        lib.load_layers_signaled(rig.ptrs[0].data_ptr(), rig.ptrs[1].data_ptr(), LAYERS,
+                                 rig.host.data_ptr(), rig.layout, h.data_ptr(), 1,
+                                 d_dev.data_ptr(), 1, h.numel(), counters.data_ptr(),
+                                 flags.data_ptr(), 5, stream.cuda_stream, bounds=bounds,
+                                 inline=True)
     stream.synchronize()  # the GPU is still usable, and nothing ran
     assert flags.tolist() == [0] * LAYERS
     assert all(torch.equal(t.cpu(), b) for t, b in zip(rig.k, before, strict=True))
