@@ -22,7 +22,6 @@ from kvcore.capabilities import HostMemory, IndexSpec, OpSupport, Residency, op_
 from kvcore.errors import InvalidArgument, InvalidIndices
 from kvcore.layout import ByteStrides, Kind, Layout, Op, contiguous_page_layouts, layouts_for
 from kvcore.native_abi import (
-    INLINE_INDEX_TOKENS,
     REPORT_BYTES,
     REPORT_DEVICE_EPOCH,
     REPORT_DEVICE_VALUE,
@@ -30,6 +29,7 @@ from kvcore.native_abi import (
     REPORT_HOST_VALUE,
     KvioBounds,
     KvioLayout,
+    inline_index_limit,
     make_layout,
 )
 from kvcore.native_job import NativeJob, flush_at_exit
@@ -266,17 +266,22 @@ class NativeBackend:
         direction = DEVICE_TO_HOST if op is Op.WRITE_BACK else HOST_TO_DEVICE
         plain = unchecked("kvio_transfer_direct")
         chained_fn = self.optional_unchecked("kvio_transfer_direct_chained") or plain
-        # CPU host indices (up to INLINE_INDEX_TOKENS) where the library carries them in its
-        # launch; a pool on the CPU (an emulated library) takes CPU indices as its own
+        # CPU host indices where the library carries them in its launch (as many as
+        # inline_index_limit allows for a grid of every layer, or of one); a pool on the CPU
+        # (an emulated library) takes CPU indices as its own
         off_cpu = pool.device.type != "cpu"
         inline_fn = self.optional_unchecked("kvio_transfer_direct_inline") if off_cpu else None
+        layer_bytes = layout.chunk_bytes * layout.num_chunks * (2 if v_ptrs else 1)
+        inline_one = inline_index_limit(layout.page_size, layer_bytes)
+        inline_all = inline_index_limit(layout.page_size, layer_bytes * num_layers)
 
         def run_direct(h: torch.Tensor, d: torch.Tensor, layer: int | None, stream: Any,
                        chained: bool) -> BoundsCompletion:
             fn = chained_fn if chained else plain
             if h.is_cpu and off_cpu:
-                if inline_fn is None or h.numel() > INLINE_INDEX_TOKENS:
-                    raise _cpu_host_indices(h, layer)
+                limit = 0 if inline_fn is None else inline_all if layer is None else inline_one
+                if h.numel() > limit:
+                    raise _cpu_host_indices(h, layer, limit)
                 fn = inline_fn
             done = issue(host_tokens, device_tokens, op)
             first, count = (0, num_layers) if layer is None else (layer, 1)
@@ -286,7 +291,8 @@ class NativeBackend:
             return done
 
         if inline_fn is not None:
-            run_direct.inline_host_tokens = INLINE_INDEX_TOKENS  # type: ignore[attr-defined]
+            run_direct.inline_host_tokens = (  # type: ignore[attr-defined]
+                inline_one if op is Op.LOAD_LAYER else inline_all)  # (a layer per call)
         if not (op is Op.LOAD_LAYER and job.support.layer_signals):
             return run_direct
         by_layer = job_runner(self.run, job)
@@ -302,8 +308,8 @@ class NativeBackend:
             signals = signaled is not None and self._layer_signals()
             host_inline = h.is_cpu and off_cpu
             if host_inline and not (signals and inline is not None
-                                    and h.numel() <= INLINE_INDEX_TOKENS):
-                raise _cpu_host_indices(h, layer)
+                                    and h.numel() <= inline_one):
+                raise _cpu_host_indices(h, layer, inline_one if signals and inline else 0)
             if not signals:
                 return by_layer(h, d, layer, stream, chained)  # one launch per layer
             assert signaled is not None  # (signals says so)
@@ -328,7 +334,7 @@ class NativeBackend:
             return NativeLayerSignals(self, buf, epoch, done, group, num_layers)
 
         if inline is not None and inline_fn is not None and self._layer_signals():
-            run_signaled.inline_host_tokens = INLINE_INDEX_TOKENS  # type: ignore[attr-defined]
+            run_signaled.inline_host_tokens = inline_one  # type: ignore[attr-defined]
         return run_signaled
 
     def _dma_runner(self, job: TransferJob, dma: Callable[..., None], host_base: int | None,
@@ -497,11 +503,12 @@ class NativeBackend:
         return buf
 
 
-def _cpu_host_indices(h: torch.Tensor, layer: int | None) -> InvalidArgument:
-    """The refusal of CPU host indices a runner cannot pass to its library as they are."""
+def _cpu_host_indices(h: torch.Tensor, layer: int | None, limit: int) -> InvalidArgument:
+    """The refusal of CPU host indices a runner cannot pass to its library as they are
+    (``limit``: how many it could, 0 where its library carries none in its launch)."""
     return InvalidArgument("host_indices", "device-resident indices (on the CPU: at most "
-                           f"{INLINE_INDEX_TOKENS}, for a library that carries them in its "
-                           "launch)", f"{h.numel()} on the CPU (layer {layer})")
+                           f"{limit} here, for a library that carries them in its launch)",
+                           f"{h.numel()} on the CPU (layer {layer})")
 
 
 class SignalBuffer:

@@ -20,15 +20,32 @@ from typing import Any
 from kvcore.errors import BuildError, DeviceFault, InvalidArgument, KernelError
 
 __all__ = ["ABI_HEADER", "ABI_VERSION", "AFTER_WRITE_FUNCTIONS", "ASYNC_WRITE_FUNCTIONS",
-           "INCLUDE_DIR", "INLINE_INDEX_TOKENS", "JOB_PENDING", "REPORT_BYTES", "KvioBounds",
-           "KvioLayout", "KvioReport", "NativeLibrary", "OPTIONAL_PROTOTYPES", "PROTOTYPES",
+           "INCLUDE_DIR", "INLINE_GRID_BYTES", "INLINE_INDEX_PAGES", "INLINE_INDEX_TOKENS",
+           "JOB_PENDING", "REPORT_BYTES", "KvioBounds", "KvioLayout", "KvioReport",
+           "NativeLibrary", "OPTIONAL_PROTOTYPES", "PROTOTYPES", "inline_index_limit",
            "make_bounds", "make_layout", "unchecked_bounds"]
 
 #: the ABI version this binding speaks (kvio_abi_version() must return it)
 ABI_VERSION = 4
 #: KVIO_INLINE_INDEX_TOKENS: the most host indices kvio_transfer_direct_inline and
-#: kvio_load_layers_signaled_inline take (CPU memory, carried in the launch)
+#: kvio_load_layers_signaled_inline take one by one (CPU memory, carried in the launch)
 INLINE_INDEX_TOKENS = 960
+#: KVIO_INLINE_INDEX_PAGES: the most whole pages of a power-of-two page size they take (one
+#: index per page in the launch)
+INLINE_INDEX_PAGES = 960
+#: an ``_inline`` call whose one grid moves this many bytes or more may be refused
+INLINE_GRID_BYTES = 1 << 31
+
+
+def inline_index_limit(page_size: int, grid_bytes_per_token: int) -> int:
+    """The most CPU host indices one ``_inline`` call takes when they are whole pages of
+    ``page_size`` (as a bound plan passes them) and its grid moves ``grid_bytes_per_token``
+    bytes per token (a token's element, times 2 with V, times the layers of one grid):
+    INLINE_INDEX_PAGES pages where ``page_size`` is a power of two, else INLINE_INDEX_TOKENS
+    tokens, and under INLINE_GRID_BYTES either way (docs/native-abi.md)."""
+    pow2 = page_size > 1 and page_size & (page_size - 1) == 0
+    tokens = max(INLINE_INDEX_PAGES * page_size if pow2 else 0, INLINE_INDEX_TOKENS)
+    return min(tokens, (INLINE_GRID_BYTES - 1) // max(1, grid_bytes_per_token))
 
 #: the folder holding ``kvio_abi.h``, the ABI's C header (structs and prototypes): what a
 #: native library builds against (``-I``); this module mirrors it for ctypes
@@ -261,8 +278,8 @@ _STAGED_JOB = (_c.c_int, (
 OPTIONAL_PROTOTYPES: dict[str, tuple[Any, tuple[Any, ...]]] = {
     # kvio_transfer_direct's arguments; the caller vouches for the chained-load guarantee
     "kvio_transfer_direct_chained": PROTOTYPES["kvio_transfer_direct"],
-    # the same, host_idx in CPU memory, read during the call and carried in the launch (at
-    # most INLINE_INDEX_TOKENS of them)
+    # the same, host_idx in CPU memory, read during the call and carried in the launch
+    # (inline_index_limit says how many)
     "kvio_transfer_direct_inline": PROTOTYPES["kvio_transfer_direct"],
     # kvio_write_back_staged's arguments, the other direction
     "kvio_load_all_staged": PROTOTYPES["kvio_write_back_staged"],
@@ -293,7 +310,7 @@ OPTIONAL_PROTOTYPES: dict[str, tuple[Any, tuple[Any, ...]]] = {
         _BOUNDS_P,      # bounds (const kvio_bounds*, read during the call)
     )),
     # the same with host_idx in CPU memory, read during the call and carried in the launch
-    # (at most INLINE_INDEX_TOKENS of them)
+    # (inline_index_limit says how many)
     "kvio_load_layers_signaled_inline": (_c.c_int, (
         _c.c_void_p,    # k_ptrs
         _c.c_void_p,    # v_ptrs
@@ -521,8 +538,8 @@ class NativeLibrary:
         this call on ``stream`` is an earlier call of the same transfer, writing nothing this
         one reads (docs/native-abi.md). ``bounds`` (a :class:`KvioBounds`) lets the kernels skip
         and report an out-of-range index; None: :func:`unchecked_bounds`. ``inline`` calls
-        ``kvio_transfer_direct_inline``: ``host_idx`` is CPU memory, at most
-        :data:`INLINE_INDEX_TOKENS` of them, read during the call (BuildError where the
+        ``kvio_transfer_direct_inline``: ``host_idx`` is CPU memory, as many as
+        :func:`inline_index_limit` allows, read during the call (BuildError where the
         library lacks it; ``chained`` is then ignored). Raises InvalidArgument before any call
         for an argument out of range, KernelError when the library returns a nonzero status.
         """
@@ -719,8 +736,8 @@ class NativeLibrary:
         num_layers: one per group) must be zero at the first load; each load leaves them
         zero for the next on the stream. Indices and ``bounds`` as for :meth:`transfer_direct` (a
         skipped vector's tile still counts: every flag is set). ``inline`` calls
-        ``kvio_load_layers_signaled_inline``: ``host_idx`` is CPU memory, at most
-        :data:`INLINE_INDEX_TOKENS` of them, read during the call (the caller may reuse them
+        ``kvio_load_layers_signaled_inline``: ``host_idx`` is CPU memory, as many as
+        :func:`inline_index_limit` allows, read during the call (the caller may reuse them
         at once; one outside ``[0, bounds.host_tokens)`` is refused, KernelError, before
         anything is enqueued). Raises BuildError when the library lacks the function,
         InvalidArgument before any call for an argument out of range, KernelError when the

@@ -122,10 +122,16 @@ KVIO_API int kvio_load_layers_signaled(const uint64_t* k_ptrs, const uint64_t* v
  * without _inline, whose host_idx is CPU memory, read during the call (an index outside
  * [0, bounds->host_tokens) is refused before anything is enqueued) and carried in the launch
  * itself, so nothing uploads it and the caller may reuse it at once. A library that exports
- * one takes any n_tokens up to KVIO_INLINE_INDEX_TOKENS (more: an error, nothing enqueued).
+ * one takes any n_tokens up to KVIO_INLINE_INDEX_TOKENS, and more where host_idx holds at
+ * most KVIO_INLINE_INDEX_PAGES whole pages of layout.page_size, a power of two (each run of
+ * page_size indices counts up by one from a multiple of page_size). It may refuse a call
+ * whose work moves 2^31 bytes or more in one grid (n_tokens times the bytes of a token's
+ * element, times 2 with V, times layer_count for kvio_transfer_direct_inline). A refused
+ * call returns an error and enqueues nothing.
  * kvio_transfer_direct_inline never reads the host before the previous kernel of the stream
  * completed (the guarantee kvio_transfer_direct_chained may use is not used). */
 #define KVIO_INLINE_INDEX_TOKENS 960
+#define KVIO_INLINE_INDEX_PAGES 960
 KVIO_API int kvio_transfer_direct_inline(int direction, const uint64_t* k_ptrs,
                                          const uint64_t* v_ptrs, int32_t layer_begin,
                                          int32_t layer_count, void* host_base,

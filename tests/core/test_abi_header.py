@@ -20,6 +20,7 @@ from kvcore.native_abi import (
     ABI_HEADER,
     ABI_VERSION,
     INCLUDE_DIR,
+    INLINE_INDEX_PAGES,
     INLINE_INDEX_TOKENS,
     OPTIONAL_PROTOTYPES,
     PROTOTYPES,
@@ -122,7 +123,8 @@ def test_the_header_states_the_abi_version_of_the_binding() -> None:
     assert re.search(rf"#define KVIO_ABI_VERSION {ABI_VERSION}\b", ABI_HEADER.read_text())
 
 
-def test_the_header_states_the_inline_index_limit_of_the_binding() -> None:
-    """kvcore passes kvio_load_layers_signaled_inline at most this many host indices."""
-    assert re.search(rf"#define KVIO_INLINE_INDEX_TOKENS {INLINE_INDEX_TOKENS}\b",
-                     ABI_HEADER.read_text())
+def test_the_header_states_the_inline_index_limits_of_the_binding() -> None:
+    """kvcore passes the _inline functions at most this many host indices, or pages."""
+    header = ABI_HEADER.read_text()
+    assert re.search(rf"#define KVIO_INLINE_INDEX_TOKENS {INLINE_INDEX_TOKENS}\b", header)
+    assert re.search(rf"#define KVIO_INLINE_INDEX_PAGES {INLINE_INDEX_PAGES}\b", header)

@@ -68,14 +68,9 @@ def test_what_each_controller_call_asks_of_the_runtime() -> None:
     Default mode (KVCORE_ASYNC_WRITE_BACK unset)."""
     rows = _counts()
     # the caller's stream looked up once; its point fenced (a record, a wait); one library
-    # call; one completion event recorded. CPU host indices are uploaded through the ring, on
-    # its own stream: one copy, and the transfer's stream waits for it (a record, a wait); a
-    # load's device indices are also recorded on the load stream
-    uploaded = "event.record 3, {}stream.current 1, stream.wait_event 2{}"
-    load = uploaded.format("kvio_copy_to_device 1, kvio_load_layers_signaled 1, ",
-                           ", tensor.record_stream 1")
-    # up to KVIO_INLINE_INDEX_TOKENS host indices travel in the load's launch: no upload, so
-    # no copy and no record and wait of the ring
+    # call; one completion event recorded; a load's device indices also recorded on the load
+    # stream. Its CPU host indices travel in the launch (whole pages, up to
+    # KVIO_INLINE_INDEX_PAGES of them): no upload through the ring
     inline = ("event.record 2, kvio_load_layers_signaled_inline 1, stream.current 1, "
               "stream.wait_event 1, tensor.record_stream 1")
     # 8 MiB: issued by the caller, which the library orders after the caller's stream and
@@ -85,12 +80,9 @@ def test_what_each_controller_call_asks_of_the_runtime() -> None:
     # 128 MiB: handed to the library's thread, which records the caller's point itself
     assert rows[("mha", "page_first", "16")][0] == (
         "kvio_write_back_staged_async 1, stream.current 1")
-    # layer_first: the direct kernel's write-back, its host indices in the launch up to
-    # KVIO_INLINE_INDEX_TOKENS, else uploaded
-    assert rows[("mha", "layer_first", "1")][0] == (
-        "event.record 2, kvio_transfer_direct_inline 1, stream.current 1, stream.wait_event 1")
-    assert rows[("mha", "layer_first", "16")][0] == uploaded.format(
-        "kvio_copy_to_device 1, kvio_transfer_direct 1, ", "")
-    # one page is 64 tokens, sixteen are 1024 (over the inline limit of 960)
-    assert all(r[1] == (inline if pages == "1" else load) and r[2] == WAITS
-               for (_, _, pages), r in rows.items())
+    # layer_first: the direct kernel's write-back, its host indices in the launch
+    for pages in ("1", "16"):
+        assert rows[("mha", "layer_first", pages)][0] == (
+            "event.record 2, kvio_transfer_direct_inline 1, stream.current 1, "
+            "stream.wait_event 1")
+    assert all(r[1] == inline and r[2] == WAITS for r in rows.values())

@@ -17,12 +17,19 @@ from kvcore.layout import Geometry, Kind, Layout, Op, host_shape
 from kvcore.native import NativeBackend, NativeLayerSignals, native_ops
 from kvcore.native_abi import (
     ABI_VERSION,
+    INLINE_GRID_BYTES,
+    INLINE_INDEX_PAGES,
     INLINE_INDEX_TOKENS,
     KvioBounds,
     KvioLayout,
     NativeLibrary,
+    inline_index_limit,
 )
 from kvcore.pools import DevicePool, HostPool
+
+#: the page size of _inline_runner's pools, and how many CPU host indices its launches carry
+INLINE_PAGE = 16
+INLINE_LIMIT = INLINE_INDEX_PAGES * INLINE_PAGE
 
 
 class RawLib:
@@ -197,10 +204,10 @@ def _inline_runner(raw: RawLib, op: Op = Op.LOAD_LAYER) -> tuple[Any, torch.Tens
     backend = MetaNative(torch.device("meta"),
                          NativeLibrary(None, runtime="cpu", name="raw", lib=raw),  # type: ignore[arg-type]
                          staging_bytes=1 << 20)
-    dev = DevicePool.allocate("mla", 3, 64, 1, 64, torch.bfloat16, "meta", 16)
-    g = Geometry(Kind.MLA, Layout.PAGE_FIRST, 3, 64, 1, 64, 16)
+    dev = DevicePool.allocate("mla", 3, 64, 1, 64, torch.bfloat16, "meta", INLINE_PAGE)
+    g = Geometry(Kind.MLA, Layout.PAGE_FIRST, 3, 64, 1, 64, INLINE_PAGE)
     host = HostPool.wrap(torch.empty(host_shape(g), dtype=torch.bfloat16), "mla", "page_first",
-                         3, 1, 64, 16)
+                         3, 1, 64, INLINE_PAGE)
     support = next(s for s in native_ops(signaled_load=True) if s.op is op
                    and (s.layer_signals if op is Op.LOAD_LAYER else s.variant == "direct"))
     none = torch.empty(0, dtype=torch.int64)
@@ -213,11 +220,11 @@ def _inline_runner(raw: RawLib, op: Op = Op.LOAD_LAYER) -> tuple[Any, torch.Tens
 @pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
 def test_cpu_host_indices_of_a_signaled_load_go_to_the_library_in_the_call(
         dtype: torch.dtype) -> None:
-    """Up to INLINE_INDEX_TOKENS host indices on the CPU reach kvio_load_layers_signaled_inline
-    as they are (pointer, width, count): no upload."""
+    """Host indices on the CPU (up to INLINE_INDEX_PAGES whole pages) reach
+    kvio_load_layers_signaled_inline as they are (pointer, width, count): no upload."""
     raw = RawLib()
     run, d = _inline_runner(raw)
-    assert run.inline_host_tokens == INLINE_INDEX_TOKENS
+    assert run.inline_host_tokens == INLINE_LIMIT
     h = torch.arange(16, 32, dtype=dtype)
     run(h, d, None, None, False)
     (name, args), = [c for c in raw.calls if c[0] != "kvio_signaled_layer_group"]
@@ -234,7 +241,7 @@ def test_cpu_host_indices_of_a_direct_launch_go_to_the_library_in_the_call(
         op: Op, layer: int | None, chained: bool, function: str) -> None:
     raw = RawLib()
     run, d = _inline_runner(raw, op)
-    assert run.inline_host_tokens == INLINE_INDEX_TOKENS
+    assert run.inline_host_tokens == INLINE_LIMIT
     h = torch.arange(16, 32)
     run(h, d, layer, None, chained)
     (name, args), = raw.calls
@@ -247,14 +254,48 @@ def test_cpu_host_indices_of_a_direct_launch_go_to_the_library_in_the_call(
 @pytest.mark.parametrize("layer", [None, 1])
 def test_cpu_host_indices_the_library_cannot_carry_are_refused_before_any_call(
         op: Op, layer: int | None) -> None:
-    """More than INLINE_INDEX_TOKENS host indices on the CPU raise InvalidArgument naming
-    them: no kernel ever gets a CPU address to dereference."""
+    """More host indices on the CPU than a launch carries (a page more than
+    INLINE_INDEX_PAGES) raise InvalidArgument naming them and the limit: no kernel ever gets
+    a CPU address to dereference."""
     raw = RawLib()
     run, _ = _inline_runner(raw, op)
-    tokens = INLINE_INDEX_TOKENS + 1
-    with pytest.raises(InvalidArgument, match="host_indices"):
+    tokens = INLINE_LIMIT + INLINE_PAGE
+    with pytest.raises(InvalidArgument, match=rf"host_indices.*at most {INLINE_LIMIT} here"):
         run(torch.arange(tokens), torch.arange(tokens, device="meta"), layer, None, False)
     assert [c for c in raw.calls if c[0] != "kvio_signaled_layer_group"] == []
+
+
+@pytest.mark.parametrize(("page_size", "grid_bytes", "limit"), [
+    (64, 4096, INLINE_INDEX_PAGES * 64),   # whole pages: one index per page in the launch
+    (16, 1, INLINE_INDEX_PAGES * 16),
+    (1, 4096, INLINE_INDEX_TOKENS),        # a page of one token: one index per token
+    (48, 4096, INLINE_INDEX_TOKENS),       # not a power of two: one per token
+    (64, 1 << 20, (INLINE_GRID_BYTES - 1) >> 20),  # the grid's 32-bit flat index bounds it
+    (64, INLINE_GRID_BYTES, 0),
+])
+def test_how_many_cpu_host_indices_a_launch_carries(page_size: int, grid_bytes: int,
+                                                    limit: int) -> None:
+    assert inline_index_limit(page_size, grid_bytes) == limit
+
+
+def test_a_write_back_launch_carries_fewer_indices_where_its_grid_moves_every_layer(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A write-back's one grid moves every layer, a per-layer load's one layer: each runner's
+    limit keeps its own grid under INLINE_GRID_BYTES (here 1 MiB, so that it binds)."""
+    import kvcore.native_abi
+
+    monkeypatch.setattr(kvcore.native_abi, "INLINE_GRID_BYTES", 1 << 20)
+    token_bytes = 64 * 2  # (one MLA element of _inline_runner's pools, per layer)
+    write, _ = _inline_runner(RawLib(), Op.WRITE_BACK)
+    load, _ = _inline_runner(RawLib(), Op.LOAD_LAYER)
+    assert load.inline_host_tokens == ((1 << 20) - 1) // token_bytes
+    assert write.inline_host_tokens == ((1 << 20) - 1) // (3 * token_bytes)
+    raw = RawLib()
+    write, _ = _inline_runner(raw, Op.WRITE_BACK)
+    n = write.inline_host_tokens // INLINE_PAGE * INLINE_PAGE + INLINE_PAGE
+    with pytest.raises(InvalidArgument, match="host_indices"):
+        write(torch.arange(n), torch.arange(n, device="meta"), None, None, False)
+    assert raw.calls == []
 
 
 @pytest.mark.parametrize("missing", ["kvio_load_layers_signaled_inline",

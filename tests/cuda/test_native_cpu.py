@@ -20,6 +20,7 @@ from kvcore import buildcache
 from kvcore.errors import BuildError, DeviceFault, InvalidArgument, KernelError
 from kvcore.native_abi import (
     ABI_VERSION,
+    INLINE_INDEX_PAGES,
     INLINE_INDEX_TOKENS,
     OPTIONAL_PROTOTYPES,
     PROTOTYPES,
@@ -969,12 +970,14 @@ def test_real_library_dma_load_refuses_an_out_of_range_cpu_index_before_any_cuda
 @pytest.mark.parametrize("width", [64, 32])
 def test_real_library_inline_transfers_refuse_what_they_cannot_carry_before_any_cuda_call(
         real_library: _native.NativeLibrary, no_gpu: None, width: int, function: str) -> None:
-    """Their host indices are read on the CPU during the call: one out of range, or more than
-    KVIO_INLINE_INDEX_TOKENS, is refused before the runtime is asked anything."""
+    """Their host indices are read on the CPU during the call: one out of range, more than
+    KVIO_INLINE_INDEX_TOKENS that are not whole pages, or more than KVIO_INLINE_INDEX_PAGES
+    pages, is refused before the runtime is asked anything."""
     inline = getattr(real_library._lib, function)
     layout = _native.KvioLayout.from_fields(LAYOUT)
+    page = LAYOUT["page_size"]
     c_int = ctypes.c_int64 if width == 64 else ctypes.c_int32
-    n = INLINE_INDEX_TOKENS + 1
+    n = (INLINE_INDEX_PAGES + 1) * page
     h = (c_int * n)(*range(100, 100 + n))
     d = (ctypes.c_int64 * n)()
 
@@ -986,10 +989,26 @@ def test_real_library_inline_transfers_refuse_what_they_cannot_carry_before_any_
             return inline(1, 1, 0, 0, 4, *indexed, None, bounds)
         return inline(1, 0, 4, *indexed, 1, 1, 1, None, bounds)
 
-    assert call(n, 1 << 20) == 1  # one more than the launch carries
+    # one index per token
+    assert call(INLINE_INDEX_TOKENS + 1, 1 << 20) == 1  # one more than the launch carries
     assert call(64, 163) == 1  # host index 163 is out of range
     h[0] = -1
     assert call(64, 1 << 20) == 1  # so is -1
     h[0] = 100
     assert _reaches_the_runtime(call(64, 164))
     assert _reaches_the_runtime(call(INLINE_INDEX_TOKENS, 1 << 20))
+    # one index per whole page (pages 7, 8, ... from token 448 on), beyond 960 tokens
+    for i in range(n):
+        h[i] = 7 * page + i
+    pages = INLINE_INDEX_TOKENS // page + 1
+    assert _reaches_the_runtime(call(pages * page, (7 + pages) * page))
+    assert call(pages * page, (7 + pages) * page - 1) == 1  # the last page's last token
+    assert _reaches_the_runtime(call(INLINE_INDEX_PAGES * page, 1 << 20))
+    assert call(n, 1 << 20) == 1  # a page more than the launch carries
+    assert call(pages * page + 1, 1 << 20) == 1  # not whole pages
+    h[3 * page + 5] += 1
+    assert call(pages * page, 1 << 20) == 1  # a page whose tokens do not count up by one
+    h[3 * page + 5] -= 1
+    for i in range(n):
+        h[i] = 7 * page + 1 + i
+    assert call(pages * page, 1 << 20) == 1  # pages that do not start at a multiple of 64

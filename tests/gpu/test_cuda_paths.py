@@ -8,6 +8,8 @@ staging budget small enough that one page of K and V together does not fit twice
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from cuda_marks import needs_kvio_cuda
@@ -260,23 +262,37 @@ def test_back_to_back_signaled_loads_on_one_stream_raise_growing_epochs_and_stay
                            expected.layers(0)[layer].view(torch.int16)), layer
 
 
-@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
-@pytest.mark.parametrize("pages", [15, 16])
-def test_a_signaled_load_equals_the_reference_with_host_indices_in_its_launch_or_uploaded(
-        pages: int, dtype: torch.dtype) -> None:
-    """Up to KVIO_INLINE_INDEX_TOKENS CPU host indices (15 pages of 64) travel in the launch,
-    more (16 pages) through the index ring: both move exactly what the reference moves and
-    leave every other device slot as it was."""
-    from kvcore.native_abi import INLINE_INDEX_TOKENS
+#: (pages, through the ring): 15 pages (960 tokens) travel in the launch one index per token,
+#: 16 one per page; forced through the index ring, 16 are uploaded
+INLINE_ROUTES = [(15, False), (16, False), (16, True)]
 
-    gen = torch.Generator().manual_seed(300 + pages)
+
+def _inline_or_ring(bound: Any, variant: Any, ring: bool, grid_bytes: int) -> None:
+    """Check how many CPU host indices ``variant``'s launch carries (whole pages of PAGE, a
+    grid moving ``grid_bytes`` per token); ``ring``: make the plan upload them instead."""
+    from kvcore.native_abi import inline_index_limit
+
+    assert bound._inline_host[id(variant)] == inline_index_limit(PAGE, grid_bytes)
+    if ring:
+        bound._inline_host[id(variant)] = 0
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+@pytest.mark.parametrize(("pages", "ring"), INLINE_ROUTES)
+def test_a_signaled_load_equals_the_reference_with_host_indices_in_its_launch_or_uploaded(
+        pages: int, ring: bool, dtype: torch.dtype) -> None:
+    """CPU host indices travel in the launch (one per token up to KVIO_INLINE_INDEX_TOKENS,
+    else one per whole page) or, forced, through the index ring: each moves exactly what the
+    reference moves and leaves every other device slot as it was."""
+    gen = torch.Generator().manual_seed(300 + pages + ring)
     dev, host = _pools("mla", "page_first", gen)
     bound = _plan(Op.LOAD_LAYER, "mla", "page_first", "cuda").bind(dev, host)
     ref = _plan(Op.LOAD_LAYER, "mla", "page_first", "reference")
     perm = torch.randperm(POOL_PAGES, generator=gen).tolist()
     h, d = _tokens(perm[:pages]).to(dtype), _tokens(perm[pages:2 * pages]).to(DEVICE)
     variant = bound.variant_for(h, d)
-    assert variant.layer_signals and bound._inline_host[id(variant)] == INLINE_INDEX_TOKENS
+    assert variant.layer_signals
+    _inline_or_ring(bound, variant, ring, 576 * 2)  # (one layer's MLA element per grid)
     expected, before = dev.clone(), dev.clone()
     for layer in range(LAYERS):
         ref.transfer(expected, host, h.to(torch.int64), d, layer=layer)
@@ -293,21 +309,20 @@ def test_a_signaled_load_equals_the_reference_with_host_indices_in_its_launch_or
 
 
 @pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
-@pytest.mark.parametrize("pages", [15, 16])
+@pytest.mark.parametrize(("pages", "ring"), INLINE_ROUTES)
 def test_a_direct_write_back_equals_the_reference_with_host_indices_in_its_launch_or_uploaded(
-        pages: int, dtype: torch.dtype) -> None:
-    """layer_first write-backs go to the direct kernel: up to KVIO_INLINE_INDEX_TOKENS CPU
-    host indices in its launch, more through the index ring. The whole host pool must equal
-    the reference's (the pages named written, every other byte as it was)."""
-    from kvcore.native_abi import INLINE_INDEX_TOKENS
-
-    gen = torch.Generator().manual_seed(400 + pages)
+        pages: int, ring: bool, dtype: torch.dtype) -> None:
+    """layer_first write-backs go to the direct kernel: CPU host indices in its launch (one
+    per token, or per page), or, forced, through the index ring. The whole host pool must
+    equal the reference's (the pages named written, every other byte as it was)."""
+    gen = torch.Generator().manual_seed(400 + pages + ring)
     dev, host = _pools("mha", "layer_first", gen)
     bound = _plan(Op.WRITE_BACK, "mha", "layer_first", "cuda").bind(dev, host)
     perm = torch.randperm(POOL_PAGES, generator=gen).tolist()
     h, d = _tokens(perm[:pages]).to(dtype), _tokens(perm[pages:2 * pages]).to(DEVICE)
     variant = bound.variant_for(h, d)
-    assert variant.variant == "direct" and bound._inline_host[id(variant)] == INLINE_INDEX_TOKENS
+    assert variant.variant == "direct"
+    _inline_or_ring(bound, variant, ring, 2 * 512 * LAYERS)  # (K and V of every layer)
     expected = HostPool.wrap(host.buffer.clone(), "mha", "layer_first", LAYERS,
                              *_geometry("mha"), PAGE)
     _plan(Op.WRITE_BACK, "mha", "layer_first", "reference").transfer(dev, expected,
@@ -357,18 +372,17 @@ def test_per_layer_submits_of_the_same_cpu_indices_move_what_each_submit_names(
                                             (Op.WRITE_BACK, "layer_first")])
 def test_a_transfer_waits_for_its_index_upload_held_back_on_the_rings_stream(
         op: Op, layout: str) -> None:
-    """CPU host indices that do not fit a launch (more than KVIO_INLINE_INDEX_TOKENS) go to
+    """CPU host indices that do not go in a launch (here: the plan told that none do) go to
     the device on the index ring's own stream, and the transfer's stream waits for them. Here
     the ring's stream is held 50 ms behind a sleeping kernel when the transfer is submitted: a
     transfer that did not wait would read the slot before its indices arrived (the ring's
     fresh device memory) and move other pages."""
-    from kvcore.native_abi import INLINE_INDEX_TOKENS
-
     gen = torch.Generator().manual_seed(61)
     plan, ref = _plan(op, "mha", layout, "cuda"), _plan(op, "mha", layout, "reference")
     dev, host = _pools("mha", layout, gen)
     bound = plan.bind(dev, host)
-    n = INLINE_INDEX_TOKENS // PAGE + 1  # pages per transfer: one more than a launch carries
+    bound._inline_host = dict.fromkeys(bound._inline_host, 0)
+    n = 16  # pages per transfer
     pages = torch.randperm(POOL_PAGES - 1, generator=gen)[:2 * n] + 1  # (never page 0)
     first, second = _tokens(pages[:n].tolist()), _tokens(pages[n:].tolist())
     d = _tokens(torch.randperm(POOL_PAGES, generator=gen)[:n].tolist()).to(DEVICE)

@@ -17,12 +17,12 @@
 //                           after layer, each group of layers raising their ready flags;
 //                           kvio_wait_layer_signal makes a stream wait for one flag;
 //                           kvio_signaled_layer_group says how many layers land together.
-//   kvio_transfer_direct_inline  (optional) kvio_transfer_direct with up to
-//                           KVIO_INLINE_INDEX_TOKENS host indices read from CPU memory during
-//                           the call and carried in the launch.
-//   kvio_load_layers_signaled_inline  (optional) the same with up to
-//                           KVIO_INLINE_INDEX_TOKENS host indices read from CPU memory during
-//                           the call and carried in the launch (no upload, no event).
+//   kvio_transfer_direct_inline  (optional) kvio_transfer_direct with host indices read
+//                           from CPU memory during the call and carried in the launch: up
+//                           to KVIO_INLINE_INDEX_TOKENS tokens, or KVIO_INLINE_INDEX_PAGES
+//                           whole pages.
+//   kvio_load_layers_signaled_inline  (optional) the same for the signaled load (no upload,
+//                           no event).
 //   kvio_copy_to_device     (optional) one asynchronous copy of pinned host bytes to the
 //                           device (the index ring's upload, without torch's dispatch).
 //   kvio_write_back_staged_async / _after  (optional) the staged write-back as a job: issued
@@ -282,20 +282,27 @@ __device__ __forceinline__ void report_bad(const CopyParams& p, const BadIndex& 
 
 // Host token indices carried in the launch itself (kvio_transfer_direct_inline,
 // kvio_load_layers_signaled_inline): the kernel reads them from its parameter space, so
-// nothing uploads them and nothing waits for an upload. Values fit int32: the library checked each against host_tokens on the CPU. With the
-// other kernel arguments they stay within the 4 KiB every architecture accepts.
+// nothing uploads them and nothing waits for an upload. Token t's host index is
+// v[t >> page_shift] + (t & (2^page_shift - 1)): page_shift 0 carries one index per token
+// (at most KVIO_INLINE_INDEX_TOKENS), page_shift log2(page_size) one per whole page (its first
+// token's index; at most KVIO_INLINE_INDEX_PAGES pages). Values fit int32: read_inline checked
+// each token against host_tokens on the CPU. With the other kernel arguments they stay within
+// the 4 KiB every architecture accepts.
 struct InlineIndices {
     int32_t v[KVIO_INLINE_INDEX_TOKENS];
+    uint32_t page_shift;
 };
+static_assert(KVIO_INLINE_INDEX_PAGES == KVIO_INLINE_INDEX_TOKENS,
+              "InlineIndices::v holds either");
 
 // Host and device addresses of flat vector g (g < p.total); the flat work's layers start at
 // layer_begin. False, with the bad value(s) noted in `bad`, when an index is out of its
 // bounds: the vector is then skipped (nothing else is read for it, nothing is stored).
-// INL: the host indices are `inl` (InlineIndices::v of a __grid_constant__ argument).
+// INL: the host indices are `inl` (a __grid_constant__ argument).
 template <int VEC, typename IdxT, bool INL = false>
 __device__ __forceinline__ bool locate(const CopyParams& p, IdxT g, int64_t layer_begin,
                                        char*& host, char*& dev, BadIndex& bad,
-                                       const int32_t* inl = nullptr) {
+                                       const InlineIndices* inl = nullptr) {
     const IdxT nvec = static_cast<IdxT>(p.nvec);
     const IdxT s0 = static_cast<IdxT>(p.size[0]);
     const IdxT s1 = static_cast<IdxT>(p.size[1]);
@@ -314,7 +321,8 @@ __device__ __forceinline__ bool locate(const CopyParams& p, IdxT g, int64_t laye
 
     int64_t h;
     if constexpr (INL) {
-        h = static_cast<int64_t>(inl[t]);
+        const uint32_t shift = inl->page_shift;
+        h = static_cast<int64_t>(inl->v[t >> shift]) + (t & ((IdxT(1) << shift) - 1));
     } else {
         h = p.host_idx ? load_index(p.host_idx, p.host_idx_64, t) : static_cast<int64_t>(t);
     }
@@ -382,7 +390,8 @@ struct Tile {
     BadIndex bad;
 
     __device__ __forceinline__ void load(const CopyParams& p, IdxT base, IdxT total,
-                                         int64_t layer_begin, const int32_t* inl = nullptr) {
+                                         int64_t layer_begin,
+                                         const InlineIndices* inl = nullptr) {
         bad.sides = 0;
 #pragma unroll
         for (int k = 0; k < kUnroll; ++k) {
@@ -440,7 +449,8 @@ struct Tile {
 // completed once this grid runs. Otherwise every memory access follows the wait.
 // INL: the host indices are `inl` (kvio_transfer_direct_inline), not p.host_idx.
 template <int DIR, int VEC, typename IdxT, bool EARLY, bool INL = false>
-__device__ __forceinline__ void copy_body(const CopyParams& p, const int32_t* inl = nullptr) {
+__device__ __forceinline__ void copy_body(const CopyParams& p,
+                                          const InlineIndices* inl = nullptr) {
     bool waited = !EARLY;
     if (!EARLY) {
         dependency_wait_then_release();
@@ -491,7 +501,8 @@ struct Signals {
 // INL: the host indices are `inl` (kvio_load_layers_signaled_inline), not p.host_idx.
 template <int VEC, typename IdxT, bool INL = false>
 __device__ __forceinline__ void signaled_body(const CopyParams& p, int32_t num_layers,
-                                              Signals sig, const int32_t* inl = nullptr) {
+                                              Signals sig,
+                                              const InlineIndices* inl = nullptr) {
     constexpr uint32_t kWarps = kThreads / 32;
     const IdxT per_layer = static_cast<IdxT>(p.total);
     const uint64_t tiles_per_layer = (p.total + kTile - 1) / kTile;
@@ -569,11 +580,11 @@ KVIO_COPY_KERNEL_EX(kvio_copy_h2d_v16_i32_early, kHostToDevice, 16, uint32_t, tr
 KVIO_COPY_KERNEL_EX(kvio_copy_h2d_v16_i64_early, kHostToDevice, 16, uint64_t, true)
 
 // inline: the direct copies with the host indices in the launch (InlineIndices), either
-// direction; at most KVIO_INLINE_INDEX_TOKENS tokens, so a 32-bit flat index always does
+// direction; 32-bit flat indices only (the caller keeps its inline transfers under 2^31)
 #define KVIO_COPY_INLINE_KERNEL(NAME, DIR, VEC)                                       \
     extern "C" __global__ void __launch_bounds__(kThreads, kBlocksPerSm)              \
         NAME(const CopyParams p, const __grid_constant__ InlineIndices inl) {         \
-        copy_body<DIR, VEC, uint32_t, false, true>(p, inl.v);                         \
+        copy_body<DIR, VEC, uint32_t, false, true>(p, &inl);                          \
     }
 KVIO_COPY_INLINE_KERNEL(kvio_copy_inline_d2h_v16_i32, kDeviceToHost, 16)
 KVIO_COPY_INLINE_KERNEL(kvio_copy_inline_d2h_v8_i32, kDeviceToHost, 8)
@@ -604,13 +615,13 @@ KVIO_SIGNALED_KERNEL(kvio_signaled_h2d_v2_i32, 2, uint32_t, kBlocksPerSm)
 KVIO_SIGNALED_KERNEL(kvio_signaled_h2d_v2_i64, 2, uint64_t, kWideBlocksPerSm)
 KVIO_SIGNALED_KERNEL(kvio_signaled_h2d_v1_i32, 1, uint32_t, kBlocksPerSm)
 KVIO_SIGNALED_KERNEL(kvio_signaled_h2d_v1_i64, 1, uint64_t, kWideBlocksPerSm)
-// signaled_inline: the same with the host indices in the launch (InlineIndices). Its loads
-// are small (KVIO_INLINE_INDEX_TOKENS tokens at most), so a 32-bit flat index always does.
+// signaled_inline: the same with the host indices in the launch (InlineIndices); 32-bit
+// flat indices only, as the inline copies.
 #define KVIO_SIGNALED_INLINE_KERNEL(NAME, VEC)                                        \
     extern "C" __global__ void __launch_bounds__(kThreads, kBlocksPerSm)              \
         NAME(const CopyParams p, int32_t num_layers, Signals sig,                     \
              const __grid_constant__ InlineIndices inl) {                             \
-        signaled_body<VEC, uint32_t, true>(p, num_layers, sig, inl.v);                \
+        signaled_body<VEC, uint32_t, true>(p, num_layers, sig, &inl);                 \
     }
 KVIO_SIGNALED_INLINE_KERNEL(kvio_signaled_inline_h2d_v16_i32, 16)
 KVIO_SIGNALED_INLINE_KERNEL(kvio_signaled_inline_h2d_v8_i32, 8)
@@ -1037,7 +1048,7 @@ cudaError_t launch_copy(int direction, CopyParams p, int num_kv, int64_t n_token
         return cudaSuccess;
     }
     const bool wide = needs_wide_index(p.total);
-    if (inl != nullptr && wide) {  // 2^31 vectors from at most 960 tokens
+    if (inl != nullptr && wide) {  // (the inline kernels index 32-bit: the caller's limit)
         return cudaErrorInvalidValue;
     }
     DeviceInfo info;
@@ -1078,22 +1089,46 @@ cudaError_t launch_copy(int direction, CopyParams p, int num_kv, int64_t n_token
 }
 
 // The n host indices at `idx` (CPU memory, int64 or int32) into `out`, read here on the CPU:
-// more than fit, or one outside [0, bounds.host_tokens), is refused before anything is
-// enqueued, and the caller's memory is free once the call returns.
-cudaError_t read_inline(const void* idx, int is64, int64_t n, const kvio_bounds& bounds,
-                        InlineIndices* out) {
-    if (n > KVIO_INLINE_INDEX_TOKENS) {
+// one per token where n <= KVIO_INLINE_INDEX_TOKENS, else one per page where they are whole
+// pages of page_size (a power of two; each page's indices count up by one from a multiple of
+// it) and there are at most KVIO_INLINE_INDEX_PAGES. Anything else, or an index outside
+// [0, bounds.host_tokens), is refused before anything is enqueued; the caller's memory is
+// free once the call returns.
+cudaError_t read_inline(const void* idx, int is64, int64_t n, int64_t page_size,
+                        const kvio_bounds& bounds, InlineIndices* out) {
+    const int64_t limit = bounds.host_tokens < INT32_MAX ? bounds.host_tokens : INT32_MAX;
+    auto at = [&](int64_t i) -> int64_t {
+        return is64 ? static_cast<const int64_t*>(idx)[i] : static_cast<const int32_t*>(idx)[i];
+    };
+    if (n <= KVIO_INLINE_INDEX_TOKENS) {
+        for (int64_t i = 0; i < n; ++i) {
+            const int64_t h = at(i);
+            if (static_cast<uint64_t>(h) >= static_cast<uint64_t>(limit)) {
+                return cudaErrorInvalidValue;
+            }
+            out->v[i] = static_cast<int32_t>(h);
+        }
+        out->page_shift = 0;
+        return cudaSuccess;
+    }
+    const int64_t P = page_size;
+    if (P < 2 || (P & (P - 1)) != 0 || n % P != 0 || n / P > KVIO_INLINE_INDEX_PAGES) {
         return cudaErrorInvalidValue;
     }
-    const int64_t limit = bounds.host_tokens < INT32_MAX ? bounds.host_tokens : INT32_MAX;
-    for (int64_t i = 0; i < n; ++i) {
-        const int64_t h = is64 ? static_cast<const int64_t*>(idx)[i]
-                               : static_cast<const int32_t*>(idx)[i];
-        if (static_cast<uint64_t>(h) >= static_cast<uint64_t>(limit)) {
+    for (int64_t page = 0; page < n / P; ++page) {
+        const int64_t h0 = at(page * P);
+        // (a page's last token is its largest: one compare bounds the page)
+        if (h0 < 0 || h0 % P != 0 || h0 > limit - P) {
             return cudaErrorInvalidValue;
         }
-        out->v[i] = static_cast<int32_t>(h);
+        for (int64_t j = 1; j < P; ++j) {
+            if (at(page * P + j) != h0 + j) {
+                return cudaErrorInvalidValue;
+            }
+        }
+        out->v[page] = static_cast<int32_t>(h0);
     }
+    out->page_shift = static_cast<uint32_t>(log2_exact(P));
     return cudaSuccess;
 }
 
@@ -1427,7 +1462,8 @@ cudaError_t transfer_direct(int direction, const uint64_t* k_ptrs, const uint64_
     }
     InlineIndices inl;
     if (inline_host) {
-        KVIO_CHECK(read_inline(host_idx, host_idx_64, n_tokens, *bounds, &inl));
+        KVIO_CHECK(
+            read_inline(host_idx, host_idx_64, n_tokens, layout.page_size, *bounds, &inl));
     }
     cudaStream_t s = static_cast<cudaStream_t>(stream);
     DeviceGuard guard;
@@ -1503,7 +1539,8 @@ cudaError_t load_layers_signaled(const uint64_t* k_ptrs, const uint64_t* v_ptrs,
                               n_tokens, counters, flags, bounds));
     InlineIndices inl;
     if (inline_host) {
-        KVIO_CHECK(read_inline(host_idx, host_idx_64, n_tokens, *bounds, &inl));
+        KVIO_CHECK(
+            read_inline(host_idx, host_idx_64, n_tokens, layout.page_size, *bounds, &inl));
     }
     cudaStream_t s = static_cast<cudaStream_t>(stream);
     DeviceGuard guard;
@@ -1522,7 +1559,7 @@ cudaError_t load_layers_signaled(const uint64_t* k_ptrs, const uint64_t* v_ptrs,
                                  layout.num_chunks, guard.device(), &g));
     const Signals sig = {counters, flags, epoch, g.group};
     if (inline_host) {
-        if (needs_wide_index(p.total)) {  // layers of 2^31 vectors from at most 960 tokens
+        if (needs_wide_index(p.total)) {  // (32-bit inline kernels: the caller's limit)
             return cudaErrorInvalidValue;
         }
         kSignaledInlineKernels[log2_exact(g.vec)]<<<g.grid, kThreads, 0, s>>>(p, num_layers,
