@@ -589,12 +589,11 @@ class NativeLayerSignals:
 
     def wait_layer_current(self, layer: int) -> None:
         """:meth:`wait_layer` on the device's current stream."""
-        # has_landed and _enqueue's covered test inlined: this runs once per layer per load,
-        # and most layers share a group the stream already waits for
-        if (self._landed[layer] - self.epoch) & 0xFFFFFFFF < 0x80000000:
-            return
+        # _enqueue's covered test and has_landed inlined, in that order: this runs once per
+        # layer per load, and most layers share a group the stream already waits for
         raw = self._current_raw()
-        if not self._covered.get(raw, 0) >> (layer // self.group) & 1:
+        if (not self._covered.get(raw, 0) >> (layer // self.group) & 1
+                and (self._landed[layer] - self.epoch) & 0xFFFFFFFF >= 0x80000000):
             self._enqueue(layer, raw, None)
 
     def _enqueue(self, layer: int, raw: int, stream: Any) -> None:
