@@ -20,7 +20,8 @@ Rows (ms per call over a queue, and its ratio to one contiguous copy of the same
   signaled, placed    the plan's submit on the load stream, indices placed, no fence, no waits
   placed, fenced      the same, ordered after the caller's stream (the controller's fence)
   cpu indices, no fence  the same with the CPU host indices as the controller passes them (in
-                      the launch up to 960 tokens, else uploaded through the index ring)
+                      the launch where they fit, kvcore.native_abi.inline_index_limit, else
+                      uploaded through the index ring)
   indices in pinned memory  placed, fenced, with the host indices left in pinned host memory
                       for the kernel to read there (no upload, no event: what the ring could
                       hand a kernel that dereferences pinned memory)
