@@ -13,6 +13,7 @@ submit path costs or saves before a GPU is at hand, not as a GPU figure.
     python scripts/probe_null_device.py                   # markdown table, median us
     python scripts/probe_null_device.py --per-layer       # SGLang's per-layer submits
     python scripts/probe_null_device.py --count           # runtime and library calls per call
+    python scripts/probe_null_device.py --count --upload  # the same, host indices never inline
     python scripts/probe_null_device.py --loop write --pages 1 --seconds 8   # for py-spy:
     py-spy record --rate 4000 --format raw -o w.txt -- python scripts/probe_null_device.py \
         --loop write
@@ -167,11 +168,15 @@ def per_layer(registry: Registry, pages: int, indices_on: str, calls: int,
 
 
 def count(registry: Registry, kind: str, layout: str, pages: int,
-          calls: collections.Counter[str]) -> list[dict[str, int]]:
+          calls: collections.Counter[str], upload: bool = False) -> list[dict[str, int]]:
     """What one ``write()``, one ``load()`` of its ack's host indices and the ``wait_layer``
     of every layer after it ask of the runtime (stand-in streams and events) and of the
-    library: the calls of the third of each (the first two warm rings and pools up)."""
+    library: the calls of the third of each (the first two warm rings and pools up).
+    ``upload``: CPU host indices go through the index ring even where they fit a launch."""
     ctl = controller(registry, kind, layout, pages)
+    if upload:
+        for bound in ctl.bound.values():
+            bound._inline_host = dict.fromkeys(bound._inline_host, 0)
     d = torch.arange(pages * P, device=DEVICE)
     d2 = torch.arange(pages * P, 2 * pages * P, device=DEVICE)
     seen: list[dict[str, int]] = []
@@ -237,6 +242,9 @@ def main() -> None:
                     help="time per-layer submits as kvcore-sglang's hooks make them instead")
     ap.add_argument("--count", action="store_true",
                     help="count the runtime and library calls of each call instead of timing")
+    ap.add_argument("--upload", action="store_true",
+                    help="with --count: CPU host indices through the index ring, never in the "
+                         "launch")
     args = ap.parse_args()
     calls: collections.Counter[str] | None = collections.Counter() if args.count else None
     with tempfile.TemporaryDirectory() as tmp, stand_in_streams(DEVICE.type,
@@ -248,7 +256,7 @@ def main() -> None:
             for kind, layout in ROWS:
                 for pages in args.pages:
                     cells = " | ".join(show(c) for c in count(registry, kind, layout, pages,
-                                                              calls))
+                                                              calls, args.upload))
                     print(f"| {kind} | {layout} | {pages} | {cells} |", flush=True)
             return
         if args.loop:

@@ -46,9 +46,9 @@ def test_the_per_layer_submits_of_sglangs_hooks_run_with_indices_on_either_side(
     assert [r[1] for r in rows] == ["cpu", "device"] and all(float(r[2]) > 0 for r in rows)
 
 
-def _counts(**modes: str) -> dict[tuple[str, ...], list[str]]:
+def _counts(*flags: str, **modes: str) -> dict[tuple[str, ...], list[str]]:
     env = {k: v for k, v in os.environ.items() if k != "KVCORE_ASYNC_WRITE_BACK"}
-    out = subprocess.run([sys.executable, str(PROBE), "--count", "--pages", "1", "16"],
+    out = subprocess.run([sys.executable, str(PROBE), "--count", "--pages", "1", "16", *flags],
                          env={**env, **modes}, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     return {tuple(c.strip() for c in line.split("|")[1:4]): [
@@ -86,3 +86,17 @@ def test_what_each_controller_call_asks_of_the_runtime() -> None:
             "event.record 2, kvio_transfer_direct_inline 1, stream.current 1, "
             "stream.wait_event 1")
     assert all(r[1] == inline and r[2] == WAITS for r in rows.values())
+
+
+def test_what_a_controller_call_asks_of_the_runtime_with_its_indices_uploaded() -> None:
+    """CPU host indices that do not go in the launch (the probe's --upload makes none do) are
+    uploaded through the ring, on its own stream: one copy, and the transfer's stream waits
+    for it (a record, a wait), on top of the calls counted above."""
+    rows = _counts("--upload")
+    uploaded = "event.record 3, {}stream.current 1, stream.wait_event 2{}"
+    assert all(r[1] == uploaded.format("kvio_copy_to_device 1, kvio_load_layers_signaled 1, ",
+                                       ", tensor.record_stream 1") and r[2] == WAITS
+               for r in rows.values())
+    for pages in ("1", "16"):
+        assert rows[("mha", "layer_first", pages)][0] == uploaded.format(
+            "kvio_copy_to_device 1, kvio_transfer_direct 1, ", "")
