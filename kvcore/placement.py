@@ -126,9 +126,11 @@ class IndexRing:
         # segment may hold other values now
         self._generations = [0] * segments
         # (id of the source tensor, dtype, stream key) -> (weak reference to the source,
-        # segment, its generation, first element, device view) of the latest stagings
+        # segment, its generation, first element, device view, the proof it was staged
+        # under) of the latest stagings
         self._recent: dict[tuple[int, torch.dtype, Any],
-                           tuple[weakref.ref[torch.Tensor], int, int, int, torch.Tensor]] = {}
+                           tuple[weakref.ref[torch.Tensor], int, int, int, torch.Tensor,
+                                 object | None]] = {}
         # (dtype, first element) -> the device view last handed out from there: made once
         # per slot start and length (a view costs a microsecond; at most one is kept per
         # start, under a kilobyte each)
@@ -140,7 +142,8 @@ class IndexRing:
         self._lock = threading.Lock()
 
     def stage(self, indices: torch.Tensor, dtype: torch.dtype, stream: Any = None,
-              remember: bool = True) -> tuple[torch.Tensor, int] | None:
+              remember: bool = True, proof: object | None = None,
+              ) -> tuple[torch.Tensor, int] | None:
         """A device tensor of ``indices`` (a contiguous CPU tensor) as ``dtype``, for use on
         ``stream`` (with ``upload`` copied on the ring's stream, and :meth:`ready` must order
         ``stream`` before anything reads it; else copied on the current stream, which must be
@@ -151,49 +154,54 @@ class IndexRing:
         it got before while that slot is still live: nothing is copied, and the slot is held
         until this submit too is sealed and done (the earlier copy is ahead on the stream).
         ``remember=False``: the caller will not stage this tensor again soon (a submit of a
-        whole operation), so neither look for nor keep its slot."""
+        whole operation), so neither look for nor keep its slot. ``proof``: an object that
+        stands for ``indices``'s values now (:meth:`~kvcore.validate.CheckedTensors.match`):
+        a slot staged under the same object is reused without reading them again."""
         with self._lock:
             if not remember:
                 return self._stage(indices, dtype, stream)
             key = (id(indices), dtype, stream_key(stream))
-            reused = self._reuse(key, indices)
+            reused = self._reuse(key, indices, proof)
             if reused is not None:
                 return reused
             staged = self._stage(indices, dtype, stream)
             if staged is not None:
-                self._remember(key, indices, *staged)
+                self._remember(key, indices, *staged, proof)
             return staged
 
     def _reuse(self, key: tuple[int, torch.dtype, Any], indices: torch.Tensor,
-               ) -> tuple[torch.Tensor, int] | None:
+               proof: object | None) -> tuple[torch.Tensor, int] | None:
         hit = self._recent.get(key)
         if hit is None:
             return None
-        ref, segment, generation, first, dst = hit
+        ref, segment, generation, first, dst, staged_under = hit
         n = indices.numel()
         if (ref() is not indices or self._generations[segment] != generation
                 or dst.numel() != n):
             return None
         # the pinned slot still holds what was copied: the values must be equal, whatever
-        # was written into the tensor since (through torch or a NumPy view)
-        slot = self._typed[dst.dtype][0][first:first + n]
-        if dst.dtype is indices.dtype:  # (staged contiguous: its bytes, without NumPy)
-            same = slot.tobytes() == ctypes.string_at(indices.data_ptr(), slot.nbytes)
-        else:
-            same = bool(np.array_equal(slot, indices.numpy()))
-        if not same:
-            return None
+        # was written into the tensor since (through torch or a NumPy view); the same proof
+        # as when it was staged says so without reading them
+        if proof is None or staged_under is not proof:
+            slot = self._typed[dst.dtype][0][first:first + n]
+            if dst.dtype is indices.dtype:  # (staged contiguous: its bytes, without NumPy)
+                same = slot.tobytes() == ctypes.string_at(indices.data_ptr(), slot.nbytes)
+            else:
+                same = bool(np.array_equal(slot, indices.numpy()))
+            if not same:
+                return None
         self._segments[segment].unsealed += 1
         return dst, segment
 
     def _remember(self, key: tuple[int, torch.dtype, Any], indices: torch.Tensor,
-                  dst: torch.Tensor, segment: int) -> None:
+                  dst: torch.Tensor, segment: int, proof: object | None) -> None:
         recent = self._recent
         recent.pop(key, None)
         if len(recent) >= RECENT_STAGED:
             recent.pop(next(iter(recent)))
         first = int(dst.storage_offset())
-        recent[key] = (weakref.ref(indices), segment, self._generations[segment], first, dst)
+        recent[key] = (weakref.ref(indices), segment, self._generations[segment], first, dst,
+                       proof)
 
     def _stage(self, indices: torch.Tensor, dtype: torch.dtype, stream: Any,
                ) -> tuple[torch.Tensor, int] | None:

@@ -299,20 +299,33 @@ class BoundPlan:
         (:class:`~kvcore.validate.CheckedTensors`): an engine that submits each layer of a
         load with the same tensors pays for the check once.
         """
-        ctx = self._context
-        h, d = self._check_form(host_indices, device_indices)
         if layer is not None:
             self._check_layer(layer)
-        write = self.op is Op.WRITE_BACK
-        if h.is_cpu and not host_trusted and h not in self._checked_host:
-            check_cpu_indices("host_indices", h, self._host_size, ctx,
-                              page_size=self._page_size, unique=write)
-            self._checked_host.add(h)
-        if d.is_cpu and d not in self._checked_device:
-            check_cpu_indices("device_indices", d, self._device_size, ctx, unique=not write,
-                              runs=self._page_size)
-            self._checked_device.add(d)
+        h, d, _ = self._checked(host_indices, device_indices, host_trusted)
         return h, d
+
+    def _checked(self, host_indices: object, device_indices: object, host_trusted: bool,
+                 ) -> tuple[torch.Tensor, torch.Tensor, tuple[object, object]]:
+        """:meth:`check` of the tensors alone, and for each tensor on the CPU that passed the
+        value checks the proof of its values :class:`~kvcore.validate.CheckedTensors` keeps
+        (it tells the index ring that a slot staged from them still holds them), else None."""
+        ctx = self._context
+        h, d = self._check_form(host_indices, device_indices)
+        write = self.op is Op.WRITE_BACK
+        h_proof = d_proof = None
+        if h.is_cpu and not host_trusted:
+            h_proof = self._checked_host.match(h)
+            if h_proof is None:
+                check_cpu_indices("host_indices", h, self._host_size, ctx,
+                                  page_size=self._page_size, unique=write)
+                h_proof = self._checked_host.add(h)
+        if d.is_cpu:
+            d_proof = self._checked_device.match(d)
+            if d_proof is None:
+                check_cpu_indices("device_indices", d, self._device_size, ctx,
+                                  unique=not write, runs=self._page_size)
+                d_proof = self._checked_device.add(d)
+        return h, d, (h_proof, d_proof)
 
     def _check_form(self, host_indices: object, device_indices: object,
                     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -400,21 +413,23 @@ class BoundPlan:
         if layer is not None and (type(layer) is not int or not 0 <= layer < self.num_layers
                                   or self.op is not Op.LOAD_LAYER):
             layer = self._check_layer(layer)
+        proofs: tuple[object, object] = (None, None)
         if check:
-            h, d = self.check(host_indices, device_indices, host_trusted=host_trusted)
+            h, d, proofs = self._checked(host_indices, device_indices, host_trusted)
         else:
             h, d = self._check_form(host_indices, device_indices)
         if stream is not None and stream is not self._stream_seen:
             self._stream_seen = self._check_stream("stream", stream)
         if after is not None and after is not self._stream_seen:
             self._check_stream("after", after)
-        return self._issue(h, d, layer, stream, chained, after)
+        return self._issue(h, d, layer, stream, chained, after, proofs)
 
     def _issue(self, h: torch.Tensor, d: torch.Tensor, layer: int | None, stream: Any,
-               chained: bool = False, after: Any = None) -> Submission:
+               chained: bool = False, after: Any = None,
+               proofs: tuple[object, object] = (None, None)) -> Submission:
         """:meth:`submit` of tensors, a layer and streams already checked (the
         controller's: it ran :meth:`check` itself, and its streams are its own and the
-        device's current one)."""
+        device's current one). ``proofs``: see :meth:`_checked`."""
         support = self._routes[(h.is_cpu, d.is_cpu)]
         s = stream if stream is not None else current_stream(self.device)
         device = self.device
@@ -433,9 +448,11 @@ class BoundPlan:
                 # CPU indices only: what they read the CPU wrote, so no need to follow `after`
                 again = layer is not None  # (an engine submits each layer's alone)
                 if not h_placed:
-                    h, h_placed = self._ring_stage(h, support.host_index, segments, s, again)
+                    h, h_placed = self._ring_stage(h, support.host_index, segments, s, again,
+                                                   proofs[0])
                 if not d_placed:
-                    d, d_placed = self._ring_stage(d, support.device_index, segments, s, again)
+                    d, d_placed = self._ring_stage(d, support.device_index, segments, s, again,
+                                                   proofs[1])
             if not (h_placed and d_placed):
                 if after is not None:  # before anything reads a tensor `after` may write
                     self._fence.order(s, after)
@@ -471,14 +488,16 @@ class BoundPlan:
         return stream
 
     def _ring_stage(self, t: torch.Tensor, spec: IndexSpec, segments: list[int],
-                    stream: Any, again: bool = True) -> tuple[torch.Tensor, bool]:
+                    stream: Any, again: bool = True, proof: object | None = None,
+                    ) -> tuple[torch.Tensor, bool]:
         """``t`` copied to the device through the ring where ``spec`` wants it there and the
         ring can take it (then placed: True), else ``t`` itself (False). ``again``: ``t`` may
-        be submitted again soon (see :meth:`IndexRing.stage`)."""
+        be submitted again soon; ``proof``: what stands for its values (see
+        :meth:`IndexRing.stage`)."""
         if (self._ring is not None and t.is_cpu and spec.residency is Residency.DEVICE
                 and t.is_contiguous()):
             dtype = t.dtype if t.dtype in spec.dtypes else spec.dtypes[0]
-            staged = self._ring.stage(t, dtype, stream, again)
+            staged = self._ring.stage(t, dtype, stream, again, proof)
             if staged is not None:
                 segments.append(staged[1])
                 return staged[0], True

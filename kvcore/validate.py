@@ -174,20 +174,26 @@ class CheckedTensors:
     torch or a NumPy view, a changed value is checked again. Comparing costs about a
     microsecond per thousand indices, against the tens a check costs. ``capacity``: how many
     tensors are remembered (the oldest is forgotten first); None: every one alive.
+
+    :meth:`match` returns a proof: an object that stands for the values remembered, the same
+    object while the tensor holds them and a new one each time they are remembered again. A
+    caller that kept what it derived from those values (the index ring's staged slot) can
+    tell by identity that they still hold.
     """
 
     def __init__(self, capacity: int | None = None) -> None:
         self._capacity = capacity
-        # id -> (weak reference, dtype, the bytes remembered, and where ``add`` was given the
-        # array ``t`` was made from: that array and ``t``'s data address then)
+        # id -> (weak reference, dtype, the bytes remembered, an array over the memory the
+        # values were read from, and that memory's address: the array is read only while the
+        # tensor, alive and laid out as then, still uses that memory)
         self._entries: dict[int, tuple[weakref.ref[torch.Tensor], torch.dtype, bytes,
                                        np.ndarray | None, int]] = {}
         self._lock = threading.Lock()
 
-    def add(self, t: torch.Tensor, values: np.ndarray | None = None) -> None:
-        """Remember ``t`` with its values now (a CPU tensor). ``values``: the NumPy array
-        ``t`` was made from (``torch.from_numpy``: it shares ``t``'s memory and does not
-        refer to ``t``): it saves converting ``t`` now and at each lookup."""
+    def add(self, t: torch.Tensor, values: np.ndarray | None = None) -> object:
+        """Remember ``t`` with its values now (a CPU tensor); return the proof of them (see
+        :meth:`match`). ``values``: the NumPy array ``t`` was made from (``torch.from_numpy``:
+        it shares ``t``'s memory and does not refer to ``t``): it saves converting ``t`` now."""
         key = id(t)
         # a bounded memory lets its dead entries age out; an unbounded one drops them as
         # their tensors go
@@ -199,35 +205,50 @@ class CheckedTensors:
                 self._forget(k)
             ref = weakref.ref(t, forget)
         entry: tuple[weakref.ref[torch.Tensor], torch.dtype, bytes, np.ndarray | None, int]
-        if values is None:
-            entry = (ref, t.dtype, t.numpy().tobytes(), None, 0)
-        else:
+        if values is not None:
             entry = (ref, t.dtype, values.tobytes(), values, t.data_ptr())
+        elif t.is_contiguous():
+            # an array over t's memory that does not keep it (or t) alive: a lookup reads it
+            # only after finding t alive at that address with as many bytes
+            nbytes, address = t.numel() * t.element_size(), t.data_ptr()
+            raw = np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(address)) \
+                if nbytes else np.empty(0, np.uint8)
+            entry = (ref, t.dtype, raw.tobytes(), raw, address)
+        else:
+            entry = (ref, t.dtype, t.numpy().tobytes(), None, 0)
         with self._lock:
             entries = self._entries
             entries.pop(key, None)
             if self._capacity is not None and len(entries) >= self._capacity:
                 entries.pop(next(iter(entries)), None)
             entries[key] = entry
+        return entry
 
-    def __contains__(self, t: object) -> bool:
+    def match(self, t: object) -> object | None:
+        """The proof :meth:`add` returned for ``t`` where ``t`` still holds the values it
+        remembered, else None (never false otherwise: ``t in self`` asks the same)."""
         entry = self._entries.get(id(t))
         if entry is None:
-            return False
+            return None
         tensor = entry[0]()
         if tensor is None or tensor is not t or tensor.dtype is not entry[1] or not tensor.is_cpu:
-            return False
-        values = entry[3]
-        # still the memory of the array it was made from (which the entry keeps alive, so no
-        # other buffer can sit at that address), laid out as then: read the array
-        if (values is not None and tensor.data_ptr() == entry[4]
-                and tensor.is_contiguous() and tensor.numel() == values.size):
-            return values.tobytes() == entry[2]
-        if tensor.is_contiguous():  # (its bytes without a NumPy array: a submit per layer)
-            nbytes = len(entry[2])
-            return (tensor.numel() * tensor.element_size() == nbytes
-                    and ctypes.string_at(tensor.data_ptr(), nbytes) == entry[2])
-        return tensor.numpy().tobytes() == entry[2]
+            return None
+        remembered, values = entry[2], entry[3]
+        if tensor.is_contiguous():
+            nbytes = len(remembered)
+            if tensor.nbytes != nbytes:
+                return None
+            address = tensor.data_ptr()
+            # still at the memory the array reads, which covers its bytes: read the array
+            if values is not None and address == entry[4] and values.nbytes == nbytes:
+                same = values.tobytes() == remembered
+            else:  # other memory (set_): its bytes, without NumPy
+                same = ctypes.string_at(address, nbytes) == remembered
+        else:
+            same = tensor.numpy().tobytes() == remembered
+        return entry if same else None
+
+    __contains__ = match  # (one call fewer on every submit than a method calling it)
 
     def __len__(self) -> int:
         return len(self._entries)

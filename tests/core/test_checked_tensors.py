@@ -86,6 +86,41 @@ def test_a_tensor_remembered_with_the_array_it_was_made_from_is_judged_the_same_
     assert len(seen) == 1  # the array does not keep its tensor's entry alive
 
 
+def test_match_hands_back_the_proof_add_gave_while_the_tensor_holds_its_values() -> None:
+    """The proof is what the index ring stages under: the same object while the values
+    hold, None once they changed, and a new object once they are remembered again."""
+    seen = CheckedTensors()
+    t = torch.randint(0, 1 << 20, (64,), generator=torch.Generator().manual_seed(5))
+    kept = seen.add(t)
+    assert kept is not None and kept
+    assert seen.match(t) is kept and seen.match(t) is kept
+    t.numpy()[63] += 1  # the last element, through NumPy
+    assert seen.match(t) is None
+    again = seen.add(t)
+    assert again is not kept and seen.match(t) is again
+    other = torch.empty_like(t).copy_(t)
+    t.set_(other)  # other memory with the same values: still the same values
+    assert seen.match(t) is again
+    other[0] += 1
+    assert seen.match(t) is None
+    assert seen.match(torch.arange(4)) is None and seen.match("t") is None
+
+
+def test_an_empty_or_strided_tensor_is_remembered_too() -> None:
+    seen = CheckedTensors()
+    empty = torch.arange(0)
+    kept = seen.add(empty)
+    assert seen.match(empty) is kept and empty in seen
+    whole = torch.arange(16)
+    strided = whole[::2]
+    kept = seen.add(strided)
+    assert seen.match(strided) is kept
+    whole[1] = 99  # between its elements: not its values
+    assert seen.match(strided) is kept
+    whole[2] = 99  # its second element
+    assert seen.match(strided) is None
+
+
 def test_a_tensor_that_is_gone_is_forgotten_and_its_id_never_vouches_for_another() -> None:
     seen = CheckedTensors()
     t = torch.arange(8)

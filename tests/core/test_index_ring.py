@@ -245,6 +245,35 @@ def test_changed_values_another_stream_or_dtype_are_copied_anew() -> None:
     assert same.data_ptr() == c.data_ptr() and len(copies) == 5
 
 
+def test_a_slot_staged_under_a_proof_is_reused_under_it_and_values_changed_since_are_not(
+        ) -> None:
+    """With kvcore.validate.CheckedTensors's proofs: the same proof reuses the slot without
+    reading the tensor, and a change, after which it gives a new proof, stages the new
+    values."""
+    from kvcore.validate import CheckedTensors
+
+    ring, copies = _counting_ring(segments=2, segment_bytes=16 * SLOT_ALIGN)
+    seen = CheckedTensors()
+    src = torch.randint(0, 1 << 20, (40,), generator=torch.Generator().manual_seed(9))
+    proof = seen.add(src)
+    a, _ = ring.stage(src, torch.int64, "s", proof=proof)  # type: ignore[misc]
+    for _ in range(3):
+        same, _ = ring.stage(src, torch.int64, "s", proof=seen.match(src))  # type: ignore[misc]
+        assert same.data_ptr() == a.data_ptr()
+    assert len(copies) == 1
+    src[7] = -5
+    assert seen.match(src) is None
+    changed, _ = ring.stage(src, torch.int64, "s", proof=seen.add(src))  # type: ignore[misc]
+    assert changed.data_ptr() != a.data_ptr() and torch.equal(changed, src)
+    assert len(copies) == 2
+    # another object is no proof: the slot is read and still matches
+    equal, _ = ring.stage(src, torch.int64, "s", proof=object())  # type: ignore[misc]
+    assert equal.data_ptr() == changed.data_ptr() and len(copies) == 2
+    src[8] = -6  # no proof at all: read, differs, copied anew
+    fresh, _ = ring.stage(src, torch.int64, "s")  # type: ignore[misc]
+    assert fresh.data_ptr() != changed.data_ptr() and torch.equal(fresh, src)
+
+
 def test_a_slot_of_a_segment_reset_since_is_never_handed_out_again() -> None:
     ring, copies = _counting_ring(segments=2, segment_bytes=SLOT_ALIGN)
     src = torch.arange(SLOT_ALIGN // 8)
