@@ -165,6 +165,18 @@ def check_cpu_indices(name: str, t: torch.Tensor, size: int, context: str = "", 
                                  f"{int(ordered[dup[0]])} more than once", context)
 
 
+class _Memory:
+    """``nbytes`` bytes at ``address`` as NumPy sees an array (``np.asarray`` of it): an array
+    over memory it neither owns nor keeps alive. (A ctypes array type per length would be
+    cached by ctypes for the life of the process.)"""
+
+    __slots__ = ("__array_interface__",)
+
+    def __init__(self, address: int, nbytes: int) -> None:
+        self.__array_interface__ = {"data": (address, False), "shape": (nbytes,),
+                                    "typestr": "|u1", "version": 3}
+
+
 class CheckedTensors:
     """CPU index tensors whose values need no check again: checked already (or made by kvcore
     itself) and holding the same values since.
@@ -210,9 +222,8 @@ class CheckedTensors:
         elif t.is_contiguous():
             # an array over t's memory that does not keep it (or t) alive: a lookup reads it
             # only after finding t alive at that address with as many bytes
-            nbytes, address = t.numel() * t.element_size(), t.data_ptr()
-            raw = np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(address)) \
-                if nbytes else np.empty(0, np.uint8)
+            nbytes, address = t.nbytes, t.data_ptr()
+            raw = np.asarray(_Memory(address, nbytes)) if nbytes else np.empty(0, np.uint8)
             entry = (ref, t.dtype, raw.tobytes(), raw, address)
         else:
             entry = (ref, t.dtype, t.numpy().tobytes(), None, 0)
