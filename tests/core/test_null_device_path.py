@@ -100,3 +100,44 @@ def test_what_a_controller_call_asks_of_the_runtime_with_its_indices_uploaded() 
     for pages in ("1", "16"):
         assert rows[("mha", "layer_first", pages)][0] == uploaded.format(
             "kvio_copy_to_device 1, kvio_transfer_direct 1, ", "")
+
+
+def test_per_layer_submits_of_the_same_cpu_indices_upload_them_once_and_a_change_again() -> None:
+    """SGLang's direct io backend: 32 per-layer submits of the same CPU tensors check them
+    once and copy the device indices once (the ring's slot is reused under the check's
+    proof). A value written into the tensor since (through NumPy: no version bump) is checked
+    and uploaded again; an out-of-range one is refused before any copy."""
+    import collections
+    import importlib.util
+    import tempfile
+
+    import torch
+
+    from kvcore.errors import InvalidIndices
+    from kvcore.layout import Op
+    from kvcore.testing.stand_in_streams import stand_in_streams
+
+    spec = importlib.util.spec_from_file_location("probe_null_device", PROBE)
+    assert spec is not None and spec.loader is not None
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    calls: collections.Counter[str] = collections.Counter()
+    with tempfile.TemporaryDirectory() as tmp, stand_in_streams(probe.DEVICE.type,
+                                                                calls) as current:
+        registry = probe.null_registry(probe.build_library(Path(tmp)), current, calls)
+        bound = probe.controller(registry, "mha", "page_first", 1).bound[(0, Op.LOAD_LAYER)]
+        h = torch.arange(64)  # host page 0
+        d = torch.arange(64, 128)  # device slots 64..127 of 256
+        calls.clear()
+        for layer in range(32):
+            bound.submit(h, d, layer=layer, stream=current)
+        assert calls["kvio_copy_to_device"] == 1 and calls["kvio_transfer_direct_inline"] == 32
+        d.numpy()[5] = 200  # still in range and unique
+        bound.submit(h, d, layer=3, stream=current)
+        assert calls["kvio_copy_to_device"] == 2
+        bound.submit(h, d, layer=4, stream=current)
+        assert calls["kvio_copy_to_device"] == 2
+        d.numpy()[5] = 256  # one past the device pool
+        with pytest.raises(InvalidIndices, match="device_indices"):
+            bound.submit(h, d, layer=5, stream=current)
+        assert calls["kvio_copy_to_device"] == 2 and calls["kvio_transfer_direct_inline"] == 34
