@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -158,6 +159,13 @@ class HiCacheController:
         # one caller at a time: the allocator, the queue of pending writes and the streams'
         # order are shared state (threads may call in; each call holds this for microseconds)
         self._lock = threading.RLock()
+        # dropped with transfers in flight, the pools' memory (and the plans' index rings) go
+        # back to torch's allocators at once, ordered only on the streams they were made on:
+        # a later tensor could get it while a transfer on our streams still reads or writes
+        # it (a pointer table read back as another tensor's values: an illegal address)
+        self._release = weakref.finalize(self, _quiesce, self._writes,
+                                         (self.write_stream, self.load_stream))
+        self._release.atexit = False  # (at exit the process drops the device as a whole)
 
     # -- introspection ---------------------------------------------------------------------
 
@@ -377,6 +385,17 @@ class HiCacheController:
         if isinstance(exc, TransferFailed):
             return exc
         return TransferFailed(f"{what} failed: {type(exc).__name__}: {exc}", exc)
+
+
+def _quiesce(writes: WriteQueue, streams: tuple[Any, ...]) -> None:
+    """A dropped controller's release: return once nothing it queued still runs (its
+    write-backs, a library thread's included, and whatever is on its streams). A fault
+    while waiting is not raised: the controller is gone, and the next call on the device
+    reports it."""
+    with contextlib.suppress(Exception):
+        writes.quiesce()
+    for stream in streams:
+        drain_stream(stream)
 
 
 def _pair(name: str, device_pool: object, host_pool: object) -> PoolPair:

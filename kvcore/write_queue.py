@@ -172,6 +172,12 @@ class WriteQueue:
         self.health.check(f"; {dropped} queued write-backs were dropped and their host "
                           "slots released" if dropped else "")
 
+    def quiesce(self) -> None:
+        """Block until every queued write-back, a library thread's not yet issued included,
+        has stopped touching the pools, whatever its outcome; acknowledges nothing."""
+        for p in (*self._pending, *self._doomed):
+            p.wait_quietly()
+
     def _release_all(self) -> int:
         """Drop every queued write and release the host slots it owns; return how many."""
         dropped = 0
