@@ -19,8 +19,10 @@ loads each followed by ``wait_layer`` of every layer on the caller's stream, and
   call; near 100% the queue is CPU-bound (the device waits for the caller);
 - ``cpu_idle_us``: the median CPU time of one such call made with the device idle (each call
   after the one before it completed): what a call costs an engine that synchronised just
-  before it. On the H200 it is the larger of the two (h200-2026-12-05: 8-60 us more than in
-  a queue at 1 to 16 pages): a deep queue does not slow the caller's runtime calls down.
+  before it. It is the larger of the two, mostly for cold caches: without any device, a call
+  after 2 ms of other work on the caller's thread costs two to five times a warm one
+  (``scripts/probe_cold_calls.py``, h100-2026-12-06d); a deep queue does not slow the
+  caller's runtime calls down.
 
 Each queue runs ``repeats`` times after one untimed warm-up queue; the fastest is kept, and
 ``spread%`` says how far the slowest was from it.
