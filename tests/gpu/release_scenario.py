@@ -3,12 +3,14 @@
     python tests/gpu/release_scenario.py load page_first               # ok, or what broke
     python tests/gpu/release_scenario.py load page_first --no-release  # the release detached
 
-A controller queues transfers and is dropped with its pools at once; a smaller controller is
-made at once and writes back; then the device is synchronized and the later controller's
-data checked. Before the release existed, the first controller's loads, still running, read
+A controller queues transfers and is dropped with its pools at once. At once its host pool's
+pinned memory is taken again (torch hands the same block back) and marked every 4 KiB, and
+a smaller controller is made and writes back; then the device is synchronized, the marks and
+the later controller's data checked. Before the release existed, loads still running read
 the later pool's layer pointers where theirs had been and wrote past its buffers (an illegal
-memory access: scripts/probe_cold_calls.py --gpu met it, docs/benchmarks/h100-2026-12-06d).
-Exit status 1 names what faulted or changed."""
+memory access: scripts/probe_cold_calls.py --gpu met it, docs/benchmarks/h100-2026-12-06d),
+and write-backs still running wrote into the pinned memory taken after the drop. Exit status
+1 names what faulted or changed."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import sys
 import torch
 
 LAYERS, PAGE, PAGES, CALLS = 32, 64, 64, 2
+MARK, MARK_EVERY = 0x5A5A5A5A5A5A5A5A, 512  # one int64 every 4 KiB
 
 
 def _pools(layout: str, pages: int, host_pages: int, device: torch.device) -> tuple:
@@ -46,7 +49,11 @@ def scenario(op: str, layout: str, release: bool) -> str:
         ctl.load(h, d2) if op == "load" else ctl.write(d)
     if not release:
         ctl._release.detach()
+    host_bytes = host.buffer.numel() * host.buffer.element_size()
     del ctl, dev, host, d, d2, hosts, h
+    pinned = torch.empty(host_bytes // 8, dtype=torch.int64, pin_memory=True)
+    marks = pinned.numpy()[::MARK_EVERY]
+    marks[:] = MARK
     # at once, a controller of one page per call, as the next row of a sweep makes it
     dev, host = _pools("layer_first", 4, 8, device)
     small = HiCacheController(dev, host)
@@ -59,6 +66,9 @@ def scenario(op: str, layout: str, release: bool) -> str:
         torch.cuda.synchronize()
     except Exception as exc:  # noqa: BLE001 - the fault is the finding
         return f"the device faulted: {str(exc).splitlines()[0]}"
+    if not bool((marks == MARK).all()):
+        return f"{int((marks != MARK).sum())} of {marks.size} marks in pinned memory taken " \
+               "after the drop changed"
     if len(done) != len(acks):
         return f"{len(done)} of {len(acks)} write-backs acknowledged"
     changed = sum(not bool((t.view(torch.int16) == 0x5A5A).all()) for t in dev.all_buffers())

@@ -1,9 +1,9 @@
 """A controller dropped with transfers in flight on its streams: the memory its pools held is
 handed out again by torch at once, so unless the drop waits for those transfers they read and
-write memory that is a later tensor's by then. Loads did: with the release detached, both
-load cases fault (an illegal memory access, which loses the GPU for the process) on an H100;
-the write-back cases were not seen to fail without it, and show that a drop with write-backs
-in flight (the library thread's too) returns and leaves a later controller working.
+write memory that is a later tensor's by then. It is a race: with the release detached, on
+H100s, the load cases faulted the device on one host (an illegal memory access, which loses
+the GPU for the process) and a layer_first write-back overwrote pinned memory taken after
+the drop on another (docs/benchmarks/h100-2026-12-06d); with it, no run failed.
 
 Each case runs in a process of its own (tests/gpu/release_scenario.py): a fault there must
 not take this process's GPU along."""
