@@ -15,6 +15,7 @@ waits.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import threading
 import weakref
@@ -96,6 +97,15 @@ class _Segment:
 Upload = Callable[[int, int, int, Any], None]
 
 
+def _wait_for_readers(segments: list[_Segment]) -> None:
+    """A dropped ring's release: return once every transfer that read one of its slots
+    completed (a fault is the next device call's to report)."""
+    for seg in segments:
+        for event in list(seg.events.values()):
+            with contextlib.suppress(Exception):
+                event.synchronize()
+
+
 class IndexRing:
     """Copies CPU index tensors to ``device`` through preallocated pinned and device memory;
     see the module docstring. One per bound plan; safe for concurrent submits (a lock held
@@ -140,6 +150,10 @@ class IndexRing:
         # stream keys whose stagings were uploaded since their stream last waited (ready)
         self._unordered: set[Any] = set()
         self._lock = threading.Lock()
+        # dropped (with its plan) while a transfer still reads a slot, the ring's memory would
+        # go back to torch at once: another tensor's bytes read as that transfer's indices
+        self._release = weakref.finalize(self, _wait_for_readers, self._segments)
+        self._release.atexit = False
 
     def stage(self, indices: torch.Tensor, dtype: torch.dtype, stream: Any = None,
               remember: bool = True, proof: object | None = None,

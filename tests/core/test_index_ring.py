@@ -20,6 +20,9 @@ class Event:
     def query(self) -> bool:
         return self.done
 
+    def synchronize(self) -> None:
+        self.done = True
+
 
 def _ring(segments: int = 2, segment_bytes: int = 4 * SLOT_ALIGN,
           upload: object = None) -> IndexRing:
@@ -335,3 +338,20 @@ def test_strided_and_other_dtype_indices_arrive_as_their_values() -> None:
                        (base.to(torch.int32), torch.int64), (base[5:37], torch.int64)]:
         out, _ = ring.stage(src, dtype)  # type: ignore[misc]
         assert out.dtype == dtype and torch.equal(out, src.to(dtype))
+
+
+def test_a_dropped_ring_waits_for_every_transfer_that_read_a_slot() -> None:
+    """Its memory goes back to torch once the ring is gone: no transfer may still read it."""
+    import gc
+    import weakref
+
+    ring = _ring(segments=2, segment_bytes=4 * SLOT_ALIGN)
+    readers = [Event(), Event(), Event()]
+    for i, event in enumerate(readers):
+        _, seg = ring.stage(torch.arange(SLOT_ALIGN // 8) + i, torch.int64)  # type: ignore[misc]
+        ring.seal([seg], event, f"stream {i}")
+    gone = weakref.ref(ring)
+    del ring
+    gc.collect()
+    assert gone() is None, "the release must not keep the ring alive"
+    assert all(e.done for e in readers)
