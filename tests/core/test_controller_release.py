@@ -3,6 +3,7 @@ be handed out again (tests/gpu/test_controller_release.py shows why, on a GPU)."
 
 from __future__ import annotations
 
+import collections
 import gc
 import weakref
 
@@ -11,6 +12,7 @@ import torch
 from kvcore.controller import HiCacheController
 from kvcore.handles import PendingWrite, WriteAck
 from kvcore.layout import Kind, Layout
+from kvcore.testing.stand_in_streams import stand_in_streams
 
 from .helpers import make_pools, reference_only
 
@@ -90,3 +92,18 @@ def test_a_waiting_fault_stays_inside_the_release() -> None:
     del ctl
     gc.collect()
     assert log == ["faulting", "after it"]
+
+
+def test_a_dropped_controller_drains_its_write_and_load_streams() -> None:
+    """On the GPU's path (stand-in streams): the queued write-back's completion is waited for,
+    then both of the controller's streams, and nothing else is asked of the runtime."""
+    calls: collections.Counter[str] = collections.Counter()
+    with stand_in_streams("cpu", calls):
+        ctl = _controller()
+        ctl.write(torch.arange(8))  # queued, not acknowledged
+        calls.clear()
+        del ctl
+        gc.collect()
+    assert calls["stream.synchronize"] == 2
+    assert calls["event.synchronize"] >= 1
+    assert set(calls) == {"stream.synchronize", "event.synchronize"}
