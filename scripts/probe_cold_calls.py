@@ -2,9 +2,10 @@
 
 `kvio bench --through controller` reports two CPU figures per row: ``CPU us/call``, the
 median inside a queue of back-to-back calls, and ``CPU us/call, device idle``, each call made
-after a device synchronize. The second is the larger on every GPU measured (two to four times
-at 64 pages). This probe asks whether the device has anything to do with it: the same calls,
-back to back (``warm``), and each after something else ran on the caller's thread:
+after a device synchronize. The second is the larger on every GPU measured (1.4 to 3.3
+times at 64 pages in h200-2026-12-06b). This probe asks whether the device has anything to
+do with it: the same calls, back to back (``warm``), and each after something else ran on
+the caller's thread:
 
 - ``after 2 ms spin``: a loop reading the clock for 2 ms (as a synchronize that spins does);
 - ``after 2 ms sleep``: the thread sleeps 2 ms (as a synchronize that yields does);
