@@ -6,11 +6,12 @@
 A controller queues transfers and is dropped with its pools at once. At once its host pool's
 pinned memory is taken again (torch hands the same block back) and marked every 4 KiB, and
 a smaller controller is made and writes back; then the device is synchronized, the marks and
-the later controller's data checked. Before the release existed, loads still running read
-the later pool's layer pointers where theirs had been and wrote past its buffers (an illegal
-memory access: scripts/probe_cold_calls.py --gpu met it, docs/benchmarks/h100-2026-12-06d),
-and write-backs still running wrote into the pinned memory taken after the drop. Exit status
-1 names what faulted or changed."""
+the later controller's data checked. Before the release existed, loads still running faulted
+the device (an illegal memory access, most likely from reading the later pool's layer
+pointers where theirs had been: scripts/probe_cold_calls.py --gpu met it,
+docs/benchmarks/h100-2026-12-06d), and write-backs still running wrote into the pinned
+memory taken after the drop; each on some runs only (a race). Exit status 1 names what
+faulted or changed."""
 
 from __future__ import annotations
 
