@@ -21,7 +21,6 @@ Example::
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import threading
 import weakref
@@ -45,9 +44,9 @@ from kvcore.plan import BoundPlan, Submission, TransferPlan, check_pool_pair
 from kvcore.policy import CacheEvent, WritePolicy, should_back_up
 from kvcore.pools import DevicePool, HostPool
 from kvcore.registry import Registry, default_registry, make_request
-from kvcore.streams import Fence, current_stream, new_stream
+from kvcore.streams import Fence, current_stream, new_stream, synchronize_quietly
 from kvcore.validate import CheckedTensors, check_index_tensor, check_instance, is_int
-from kvcore.write_queue import Health, WriteQueue, drain_stream
+from kvcore.write_queue import Health, WriteQueue
 
 
 @attrs.frozen
@@ -241,7 +240,7 @@ class HiCacheController:
             except BaseException as exc:
                 if owns:
                     # an earlier pool-group member's copy may still be writing these slots
-                    drain_stream(self.write_stream)
+                    synchronize_quietly(self.write_stream)
                     self.allocator.free(h)
                 raise self._failure("write-back", exc) from exc
             if values is not None:
@@ -364,8 +363,7 @@ class HiCacheController:
                     subs.append(self.bound[(i, op)]._issue(h, d, None, stream, after=caller))
             except BaseException:
                 for sub in subs:  # what an earlier member queued must not outlive the call
-                    with contextlib.suppress(Exception):
-                        sub.synchronize()
+                    synchronize_quietly(sub)
                 raise
             return subs
         # a group's per-layer load goes layer by layer across members, so layer 0 of every
@@ -392,10 +390,9 @@ def _quiesce(writes: WriteQueue, streams: tuple[Any, ...]) -> None:
     write-backs, a library thread's included, and whatever is on its streams). A fault
     while waiting is not raised: the controller is gone, and the next call on the device
     reports it."""
-    with contextlib.suppress(Exception):
-        writes.quiesce()
+    writes.quiesce()
     for stream in streams:
-        drain_stream(stream)
+        synchronize_quietly(stream)
 
 
 def _pair(name: str, device_pool: object, host_pool: object) -> PoolPair:

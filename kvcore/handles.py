@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -10,7 +9,7 @@ import attrs
 import torch
 
 from kvcore.errors import TransferFailed
-from kvcore.streams import current_stream, has_streams
+from kvcore.streams import current_stream, has_streams, synchronize_quietly
 from kvcore.validate import check_layer
 
 if TYPE_CHECKING:
@@ -51,9 +50,7 @@ class PendingWrite:
         """Block until every member's transfer has completed, whatever its outcome (what
         must hold before the host slots it writes are released)."""
         for part in (self.event, *self.completions):
-            if part is not None:
-                with contextlib.suppress(Exception):  # a fault is reported by its own drain
-                    part.synchronize()
+            synchronize_quietly(part)  # (a fault is reported by its own drain)
 
 
 class LoadHandle:

@@ -15,7 +15,6 @@ waits.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import threading
 import weakref
@@ -26,7 +25,7 @@ import numpy as np
 import torch
 
 from kvcore.capabilities import IndexSpec, Residency, residency_device
-from kvcore.streams import Fence, has_streams, new_stream
+from kvcore.streams import Fence, has_streams, new_stream, synchronize_quietly
 
 #: ring capacity per bound plan (pinned and device each): 64 pages of 64 tokens in int64 take
 #: 32 KiB, so a segment holds several of the largest usual submits
@@ -102,8 +101,7 @@ def _wait_for_readers(segments: list[_Segment]) -> None:
     completed (a fault is the next device call's to report)."""
     for seg in segments:
         for event in list(seg.events.values()):
-            with contextlib.suppress(Exception):
-                event.synchronize()
+            synchronize_quietly(event)
 
 
 class IndexRing:

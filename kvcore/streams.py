@@ -90,6 +90,16 @@ def _accelerator_type() -> str | None:
     return current.type if current is not None else None
 
 
+def synchronize_quietly(waitable: Any) -> None:
+    """Wait for a stream's queued work or an event (anything with ``synchronize``; None:
+    nothing), ignoring a device fault: for callers already reporting a failure, or releasing
+    what a transfer used with no one left to report to."""
+    if waitable is None:
+        return
+    with contextlib.suppress(Exception):
+        waitable.synchronize()
+
+
 def native_handle(stream: Any) -> int:
     """The runtime's handle of a torch stream (``cudaStream_t`` / ``hipStream_t`` as an int;
     0: the legacy default stream)."""

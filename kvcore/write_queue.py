@@ -20,7 +20,6 @@ fault, or a process group that can no longer agree.
 from __future__ import annotations
 
 import collections
-import contextlib
 from typing import Any
 
 import numpy as np
@@ -28,6 +27,7 @@ import numpy as np
 from kvcore.errors import ControllerUnusable, DeviceFault, RanksFailed, TransferFailed
 from kvcore.handles import PendingWrite, WriteAck
 from kvcore.pools import SlotAllocator
+from kvcore.streams import synchronize_quietly
 
 #: write statuses in an acknowledgement round (a failure is sent as rank - world, below 0)
 _OK, _PENDING, _FAILED = 2, 1, 0
@@ -54,15 +54,6 @@ class Health:
             raise ControllerUnusable(
                 f"the controller is unusable after {what}: {self.lost}{detail}; recreate it "
                 "(and the device context or process group) to continue")
-
-
-def drain_stream(stream: Any) -> None:
-    """Wait for work already queued on ``stream``; a device fault while waiting is ignored
-    here because the caller is already reporting a failure."""
-    if stream is None:
-        return
-    with contextlib.suppress(Exception):
-        stream.synchronize()
 
 
 class WriteQueue:
@@ -174,7 +165,8 @@ class WriteQueue:
 
     def quiesce(self) -> None:
         """Block until every queued write-back, a library thread's not yet issued included,
-        has stopped touching the pools, whatever its outcome; acknowledges nothing."""
+        has stopped touching the pools, whatever its outcome (raises nothing); acknowledges
+        nothing."""
         for p in (*self._pending, *self._doomed):
             p.wait_quietly()
 
@@ -290,7 +282,7 @@ class WriteQueue:
         if self._pending or self._doomed:
             for p in (*self._pending, *self._doomed):  # a transfer another thread issues
                 p.wait_quietly()
-            drain_stream(self.write_stream)
+            synchronize_quietly(self.write_stream)
             self._pending.extend(self._doomed)
             self._doomed = []
             self._release_all()
