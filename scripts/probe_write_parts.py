@@ -113,5 +113,6 @@ def main() -> None:
                 print(f"{layout} {pages:>3}p {mode:5s} write() {total:6.1f} us | {shown}",
                       flush=True)
 
+
 if __name__ == "__main__":
     main()

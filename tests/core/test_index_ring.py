@@ -6,6 +6,8 @@ stand-ins whose completion the test decides; the bookkeeping under test is the s
 from __future__ import annotations
 
 import ctypes
+import gc
+import weakref
 
 import pytest
 import torch
@@ -342,9 +344,6 @@ def test_strided_and_other_dtype_indices_arrive_as_their_values() -> None:
 
 def test_a_dropped_ring_waits_for_every_transfer_that_read_a_slot() -> None:
     """Its memory goes back to torch once the ring is gone: no transfer may still read it."""
-    import gc
-    import weakref
-
     ring = _ring(segments=2, segment_bytes=4 * SLOT_ALIGN)
     readers = [Event(), Event(), Event()]
     for i, event in enumerate(readers):
