@@ -20,7 +20,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                                    "against the reference) for backend NAME, or for every "
                                    "available backend, and print one row per op, kind, "
                                    "layout and variant with its passed/failed/not claimed/"
-                                   "skipped/xfail counts. Exit status 1 if any case failed.")
+                                   "skipped/xfail counts. Exit status 1 if any case failed, "
+                                   "or if no case ran (a -k selection of unclaimed "
+                                   "cases, or capabilities that claim nothing).")
     p.add_argument("name", nargs="?", default=None, help="backend to check (default: all)")
     p.add_argument("--device", default=None,
                    help="torch device (default: the accelerator if there is one, else cpu)")
@@ -72,6 +74,13 @@ def _ran(result: Any) -> int:
                for o in ("passed", "failed", "xfail", "xpass"))
 
 
+def _ran_any(result: Any) -> bool:
+    """Whether any case ran against the backend, transfer or not (a ``-k`` selection may
+    ask for the host memory row alone)."""
+    totals = result.totals()
+    return any(totals[o] for o in ("passed", "failed", "xfail", "xpass"))
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         from kvcore.testing.runner import matrix, run_suite
@@ -117,6 +126,11 @@ def run(args: argparse.Namespace) -> int:
             failed = True
         elif args.keyword and not sum(result.totals().values()):
             print(f"{name}: no case matches -k {args.keyword!r}")
+            failed = True
+        elif args.keyword and not _ran_any(result):
+            counts = ", ".join(f"{n} {o}" for o, n in sorted(result.totals().items()) if n)
+            print(f"{name}: no case matching -k {args.keyword!r} ran ({counts}): its "
+                  "capabilities claim none of them (kvio backends lists what it claims)")
             failed = True
         elif not args.keyword and not _ran(result):
             print(f"{name}: ran no case: its capabilities claim nothing the suite covers "

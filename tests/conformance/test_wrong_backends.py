@@ -150,6 +150,21 @@ def test_kvio_check_fails_when_its_selection_matches_nothing(
     assert "reference: no case matches -k 'typo_xyz'" in capsys.readouterr().out
 
 
+def test_kvio_check_fails_a_selection_whose_cases_are_all_unclaimed(
+        bad_backends: None, capsys: pytest.CaptureFixture[str]) -> None:
+    """A -k that matches only cases the backend does not claim ran nothing: exit status 1,
+    not a green matrix of "not claimed" rows; a -k whose cases run still passes."""
+    from kvcore.cli import main
+
+    assert main(["check", "write_only", "--device", "cpu", "-k",
+                 "TestPageCounts and load_layer"]) == 1
+    out = capsys.readouterr().out
+    assert ("write_only: no case matching -k 'TestPageCounts and load_layer' ran (" in out
+            and "not claimed): its capabilities claim none of them" in out), out
+    assert main(["check", "write_only", "--device", "cpu", "-k",
+                 "TestPageCounts and write_back and p4"]) == 0
+
+
 def test_kvio_check_fails_a_backend_that_claims_nothing(
         capsys: pytest.CaptureFixture[str]) -> None:
     import attrs
