@@ -104,6 +104,48 @@ def _to_host_memory(value: object) -> HostMemory:
     return parse_enum(HostMemory, value, "host_memory")
 
 
+def _dtype(value: object, argument: str) -> torch.dtype:
+    """A torch dtype, or its name (``"bfloat16"``, ``"torch.int64"``), as the dtype;
+    InvalidArgument naming ``argument`` for anything else."""
+    if isinstance(value, torch.dtype):
+        return value
+    if isinstance(value, str):
+        found = getattr(torch, value.removeprefix("torch."), None)
+        if isinstance(found, torch.dtype):
+            return found
+    raise InvalidArgument(argument, "torch dtypes (torch.bfloat16) or their names "
+                          "('bfloat16')", f"{type(value).__name__} {value!r}")
+
+
+def _dtype_items(value: object, argument: str) -> list[torch.dtype]:
+    if isinstance(value, (str, torch.dtype)):
+        return [_dtype(value, argument)]
+    try:
+        items = list(value)  # type: ignore[call-overload]
+    except TypeError:
+        raise InvalidArgument(argument, "a torch dtype or an iterable of them",
+                              f"{type(value).__name__} {value!r}") from None
+    return [_dtype(v, argument) for v in items]
+
+
+def _to_index_dtypes(value: object) -> tuple[torch.dtype, ...]:
+    dtypes = tuple(dict.fromkeys(_dtype_items(value, "dtypes")))  # (order kept: first preferred)
+    if not dtypes or not set(dtypes) <= INDEX_DTYPES:
+        raise InvalidArgument("dtypes", "index dtypes torch.int64 and/or torch.int32, the "
+                              "preferred first", repr(value))
+    return dtypes
+
+
+def _to_element_dtypes(value: object) -> frozenset[torch.dtype] | None:
+    if value is None:
+        return None
+    dtypes = frozenset(_dtype_items(value, "dtypes"))
+    if not dtypes:
+        raise InvalidArgument("dtypes", "None (any dtype) or at least one torch dtype",
+                              "none")
+    return dtypes
+
+
 def _power_of_two(_: object, attribute: attrs.Attribute, value: int) -> None:
     if not isinstance(value, int) or value < 1 or value & (value - 1):
         raise InvalidArgument(attribute.name, "a power of two, in bytes", repr(value))
@@ -114,12 +156,8 @@ class IndexSpec:
     """Residency and accepted dtypes of one index tensor. ``dtypes[0]`` is preferred."""
 
     residency: Residency = attrs.field(converter=_to_residency)
-    dtypes: tuple[torch.dtype, ...] = (torch.int64, torch.int32)
-
-    def __attrs_post_init__(self) -> None:
-        if not self.dtypes or not set(self.dtypes) <= INDEX_DTYPES:
-            raise ValueError(f"IndexSpec.dtypes must be a non-empty subset of int32/int64, "
-                             f"got {self.dtypes}")
+    dtypes: tuple[torch.dtype, ...] = attrs.field(default=(torch.int64, torch.int32),
+                                                  converter=_to_index_dtypes)
 
 
 @attrs.frozen
@@ -139,7 +177,9 @@ class OpSupport:
     host_index: IndexSpec
     device_index: IndexSpec
     variant: str = "default"
-    dtypes: frozenset[torch.dtype] | None = None  # None: any dtype
+    #: element dtypes served (torch dtypes or their names); None: any dtype
+    dtypes: frozenset[torch.dtype] | None = attrs.field(default=None,
+                                                        converter=_to_element_dtypes)
     #: element bytes must be a multiple of this (a power of two)
     element_alignment: int = attrs.field(default=1, validator=_power_of_two)
     contiguous_pages: bool = False  # needs each host page (per K/V) to be one contiguous run

@@ -197,6 +197,10 @@ def test_a_variant_may_name_kinds_layouts_and_residencies_by_their_values() -> N
     ("layouts", ("page-first",), r"^layouts: expected one of layer_first, .*got 'page-first'"),
     ("host", "pinned", r"^residency: expected one of host, device, got 'pinned'"),
     ("element_alignment", 3, r"^element_alignment: expected a power of two, in bytes, got 3"),
+    ("dtypes", "bf16", r"^dtypes: expected torch dtypes \(torch.bfloat16\) or their names "
+                       r"\('bfloat16'\), got str 'bf16'"),
+    ("dtypes", (torch.bfloat16, 2), r"^dtypes: expected torch dtypes .*, got int 2"),
+    ("dtypes", (), r"^dtypes: expected None \(any dtype\) or at least one torch dtype"),
 ])
 def test_a_variant_that_claims_nothing_real_is_refused_when_declared(
         field: str, value: object, message: str) -> None:
@@ -226,3 +230,29 @@ def test_a_wrapped_host_buffer_of_the_wrong_shape_is_named_as_the_buffer() -> No
                                              r"page\*token, layer, head, dim\)\), got bfloat16 "
                                              r"\(1024, 2, 4, 8, 64\) on cpu: 2 tokens$"):
         HostPool.wrap(buffer, "mha", "page_first", 4, 8, 64, 64)
+
+
+def test_a_variant_may_name_its_dtypes_and_what_it_does_not_serve_reads_plainly() -> None:
+    """Dtype names are the dtypes (a plugin wrote "bfloat16" and every case came out "not
+    claimed: dtype bfloat16 not in (bfloat16, float16)")."""
+    from kvcore.capabilities import IndexSpec, Residency, op_support
+
+    s = op_support("load_all", "mha", "page_first", "host", "device",
+                   dtypes=("bfloat16", "torch.float16"))
+    assert s.dtypes == {torch.bfloat16, torch.float16}
+    assert s.refusal(torch.bfloat16, 256) is None
+    assert s.refusal(torch.float32, 256) == "dtype float32 not in (bfloat16, float16)"
+    assert op_support("load_all", "mha", "page_first", "host", "device",
+                      dtypes=torch.float8_e4m3fn).dtypes == {torch.float8_e4m3fn}
+    assert IndexSpec(Residency.HOST, ("int32", torch.int64)).dtypes == (torch.int32,
+                                                                        torch.int64)
+
+
+@pytest.mark.parametrize("dtypes", [(torch.float32,), ("int16",), (), "int8"])
+def test_an_index_spec_outside_int32_int64_is_refused_with_a_typed_error(
+        dtypes: object) -> None:
+    from kvcore.capabilities import IndexSpec
+
+    with pytest.raises(InvalidArgument, match=r"^dtypes: expected index dtypes torch.int64 "
+                                              r"and/or torch.int32, the preferred first"):
+        IndexSpec("device", dtypes)  # type: ignore[arg-type]
