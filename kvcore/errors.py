@@ -88,7 +88,8 @@ class ApiVersionMismatch(PluginLoadError):
         self.backend = backend
         super().__init__(
             f"backend {backend!r} (version {backend_version}) declares kvcore API version {got}, "
-            f"expected API version {expected}; upgrade or downgrade the plugin"
+            f"expected API version {expected}; upgrade or downgrade the plugin (its author "
+            "declares api_version=kvcore.API_VERSION of the kvcore it was built against)"
         )
 
 

@@ -561,7 +561,7 @@ class BoundPlan:
         if done is None or hasattr(done, "check"):
             return done
         raise ContractViolation(
-            f"{self.context}: variant {support.variant!r}'s run() returned "
+            f"{self.context}: the run() of variant {support.variant!r} returned "
             f"{type(done).__name__} ({done!r:.60}); expected None or a completion with "
             "check() (kvcore.backend.Completion; docs/writing-a-backend.md)")
 

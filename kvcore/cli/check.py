@@ -121,7 +121,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"\n{name} on {device}: capability-by-result matrix")
         print(matrix(result))
         if result.failures:
-            print(f"{name}: {len(result.failures)} failed; see the reproductions above")
+            print(f"{name}: {len(result.failures)} failed; pytest's report of each is above "
+                  "(a differential case's ends with the command that reruns it)")
         if not result.ok:
             failed = True
         elif args.keyword and not sum(result.totals().values()):

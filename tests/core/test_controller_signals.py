@@ -234,7 +234,8 @@ def test_a_run_that_returns_no_completion_is_named_a_contract_violation(op: str)
                                   factory=ReturnsANumber))
     dev, host = _pools(registry)
     ctl = HiCacheController(dev, host, registry=registry, backend="number")
-    expected = r"run\(\) returned int \(42\); expected None or a completion with check\(\)"
+    expected = (r"the run\(\) of variant 'default' returned int \(42\); expected None or a "
+                r"completion with check\(\)")
     if op == "write":
         with pytest.raises(TransferFailed, match=expected) as err:
             ctl.write(_pages(0, 1))

@@ -69,6 +69,7 @@ def test_register_refuses_another_api_version_naming_the_plugin() -> None:
     assert "'oldapi'" in msg and "3.2.1" in msg
     assert f"declares kvcore API version {API_VERSION + 1}" in msg
     assert f"expected API version {API_VERSION}" in msg
+    assert "api_version=kvcore.API_VERSION" in msg  # (what its author writes)
     assert "oldapi" not in [r.name for r in reg.backends()]
 
 
