@@ -333,7 +333,7 @@ class HiCacheController:
         if h.is_cpu:
             page = self.allocator.first_free_page(h, checked=True, name="host_indices")
             if page is not None:
-                raise InvalidIndices("host_indices", "pages allocated from this controller's "
+                raise InvalidIndices("host_indices", "pages allocated from the host pool's "
                                      "allocator", f"{self.allocator.describe_page(page)}, "
                                      "which is free")
 

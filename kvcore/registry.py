@@ -403,8 +403,10 @@ class Registry:
                 except KVCoreError:
                     raise
                 except Exception as exc:
+                    hint = (" (kvcore calls the spec's factory as factory(device), with a "
+                            "torch.device)" if isinstance(exc, TypeError) else "")
                     raise BuildError(f"backend {name!r} could not be created for {device}: "
-                                     f"{type(exc).__name__}: {exc}") from exc
+                                     f"{type(exc).__name__}: {exc}{hint}") from exc
             return self._instances[key]
 
     # -- resolution ------------------------------------------------------------------------

@@ -178,6 +178,15 @@ def test_a_factory_that_raises_becomes_a_typed_build_error(reg: Registry) -> Non
                           backend="fragile", registry=reg)
 
 
+def test_a_factory_of_the_wrong_signature_is_told_how_it_is_called(reg: Registry) -> None:
+    spec = fake_spec("no_device")
+    reg.register(attrs.evolve(spec, factory=lambda: object()))
+    with pytest.raises(BuildError, match=r"backend 'no_device' could not be created for cpu: "
+                                         r"TypeError: .* \(kvcore calls the spec's factory "
+                                         r"as factory\(device\), with a torch.device\)"):
+        reg.instance("no_device", torch.device("cpu"))
+
+
 def test_a_variant_may_name_kinds_layouts_and_residencies_by_their_values() -> None:
     """As README's example writes them: the record holds the enum members (what ``kvio
     backends`` and the placement compare by identity)."""

@@ -57,7 +57,7 @@ def test_a_caller_s_host_indices_must_be_allocated_pages(ctl: HiCacheController)
     host_before = ctl.members[0].host.buffer.clone()
     state = ctl.allocator.state()
     with pytest.raises(InvalidIndices, match=r"^host_indices: expected pages allocated from "
-                       r"this controller's allocator, got page 0 \(slots 0..3\), which is free"):
+                       r"the host pool's allocator, got page 0 \(slots 0..3\), which is free"):
         ctl.write(torch.arange(0, 4), host_indices=page_tokens([0], P))
     assert ctl.allocator.state() == state and ctl.pending_writes == 0
     assert torch.equal(ctl.members[0].host.buffer.view(torch.uint8),
