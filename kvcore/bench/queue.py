@@ -15,8 +15,10 @@ loads each followed by ``wait_layer`` of every layer on the caller's stream, and
   lift rows of up to 64 MiB to 1.16-1.30, h100-2026-12-05c);
 - ``cpu_us``: the median CPU time of one ``write()`` or ``load()`` call, and ``wait_us``
   that of the ``wait_layer`` calls after one load (all layers together);
-- ``caller_share`` (the tables' ``caller busy``): those CPU times over the wall time per
-  call; near 100% the queue is CPU-bound (the device waits for the caller);
+- ``caller_share`` (the tables' ``caller busy``): the same CPU times, taken from the fastest
+  queue (``busy_us``), over that queue's wall time per call; near 100% the queue is CPU-bound
+  (the device waits for the caller). From one queue, not from the median over every repeat,
+  so another process that slowed some repeats cannot lift it past 100%;
 - ``cpu_idle_us``: the median CPU time of one such call made with the device idle (each call
   after the one before it completed): what a call costs an engine that synchronised just
   before it. It is the larger of the two, mostly for cold caches: without any device, a call
@@ -108,6 +110,8 @@ class QueueRow:
     spread_pct: float | None = None
     error: str | None = None
     cpu_idle_us: float | None = None
+    #: the fastest queue's median CPU per call, its waits included (what caller_share divides)
+    busy_us: float | None = None
 
     @property
     def ratio(self) -> float | None:
@@ -128,7 +132,9 @@ class QueueRow:
         CPU-bound: the device waits for the caller, and the ratio follows the host's speed."""
         if self.ms_per_call is None or self.cpu_us is None or self.ms_per_call <= 0:
             return None
-        return (self.cpu_us + (self.wait_us or 0.0)) / (1e3 * self.ms_per_call)
+        busy = (self.busy_us if self.busy_us is not None  # (older records: every repeat's)
+                else self.cpu_us + (self.wait_us or 0.0))
+        return busy / (1e3 * self.ms_per_call)
 
     @classmethod
     def from_facts(cls, f: dict[str, Any]) -> QueueRow:
@@ -137,13 +143,14 @@ class QueueRow:
                          int(f["calls"]), int(f["page_size"]), int(f["num_layers"]),
                          getattr(torch, f["dtype"]))
         return cls(case, f["backend"], f["ms_per_call"], f["ceiling_ms"], f["cpu_us"],
-                   f["wait_us"], f.get("spread_pct"), f["error"], f.get("cpu_idle_us"))
+                   f["wait_us"], f.get("spread_pct"), f["error"], f.get("cpu_idle_us"),
+                   f.get("busy_us"))
 
     def facts(self) -> dict[str, Any]:
         return {"backend": self.backend, **self.case.facts(), "ms_per_call": self.ms_per_call,
                 "ceiling_ms": self.ceiling_ms, "ratio": self.ratio, "gib_s": self.gib_s,
                 "cpu_us": self.cpu_us, "cpu_idle_us": self.cpu_idle_us, "wait_us": self.wait_us,
-                "spread_pct": self.spread_pct, "error": self.error}
+                "busy_us": self.busy_us, "spread_pct": self.spread_pct, "error": self.error}
 
 
 def queue_cases(pages: tuple[int, ...], kinds: tuple[Kind, ...], layouts: tuple[Layout, ...],
@@ -273,7 +280,9 @@ def _run(case: QueueCase, backend: str, registry: Registry, device: torch.device
         cpu_us=1e6 * statistics.median(c for r in runs for c in r[1]),
         wait_us=1e6 * statistics.median(w for r in runs for w in r[2]) if best[2] else None,
         spread_pct=100.0 * (slowest - best[0]) / best[0] if best[0] > 0 else 0.0,
-        cpu_idle_us=1e6 * statistics.median(idle))
+        cpu_idle_us=1e6 * statistics.median(idle),
+        busy_us=1e6 * (statistics.median(best[1])
+                       + (statistics.median(best[2]) if best[2] else 0.0)))
 
 
 def _synchronizer(device: torch.device) -> Callable[[], None]:

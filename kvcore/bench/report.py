@@ -187,8 +187,9 @@ def controller_section(result: BenchResult, heading: str = "") -> list[str]:
             "", "ratio = one contiguous copy of a call's bytes / wall time per call over the "
             "whole queue; CPU us/call = median time inside write() or load() in that queue; "
             "device idle = the same with each call made once the one before completed; "
-            "caller busy = those CPU times (with wait_layer) over the wall time per call: near "
-            "100% the queue is CPU-bound, and its ratio follows the host's speed"]
+            "caller busy = those CPU times (with wait_layer) in the fastest queue over its "
+            "wall time per call: near 100% the queue is CPU-bound, and its ratio follows the "
+            "host's speed"]
 
 
 def text_table(result: BenchResult, latency: bool = False) -> str:

@@ -282,6 +282,7 @@ def test_controller_rows_time_queues_of_controller_calls(tmp_path: Path) -> None
     col = [c.strip() for c in head.split("|")].index("caller busy")
     for line, r in zip(sorted(table), sorted(rows, key=lambda r: (r["op"], r["pages"])),
                        strict=True):
-        share = (r["cpu_us"] + (r["wait_us"] or 0)) / (1e3 * r["ms_per_call"])
+        # (from the fastest queue alone: a repeat another process slowed cannot lift it)
+        share = r["busy_us"] / (1e3 * r["ms_per_call"])
         assert QueueRow.from_facts(r).caller_share == pytest.approx(share)
-        assert line.split("|")[col].strip() == f"{share:.0%}" and 0 < share < 3
+        assert line.split("|")[col].strip() == f"{share:.0%}" and 0 < share < 1.25
