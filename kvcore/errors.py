@@ -62,6 +62,10 @@ class NoBackend(KVCoreError, LookupError):
         if not reasons:
             lines.append(f"  (no backends are registered: {NO_PLUGIN_HINT})")
         lines += [f"  {name}: {why}" for name, why in sorted(reasons.items())]
+        if reasons and "reference" not in reasons:
+            lines.append("  (kvio-reference, the pure-torch backend for any device, is not "
+                         "installed: pip install kvio-reference, or from a checkout pip "
+                         "install -e plugins/kvio_reference)")
         super().__init__("\n".join(lines))
 
 

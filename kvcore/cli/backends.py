@@ -131,6 +131,11 @@ def run(args: argparse.Namespace) -> int:
     if not facts:  # kvcore without any plugin: say what to install
         print(f"kvio backends: no backend is installed: {NO_PLUGIN_HINT}", file=sys.stderr)
         return 1
+    if not any(f["available"] for f in facts):  # e.g. kvio-cuda alone on a machine without
+        print("kvio backends: none of the installed backends can run on this machine; "
+              "kvio-reference (pure torch) runs on any device: pip install kvio-reference, "
+              "or from a checkout pip install -e plugins/kvio_reference", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -107,6 +107,40 @@ def test_kvio_backends_without_plugins_says_which_to_install(
         assert dist in said
 
 
+@pytest.fixture
+def gpu_plugins_only(monkeypatch: pytest.MonkeyPatch, clean_env: pytest.MonkeyPatch) -> None:
+    """kvio-cuda and kvio-rocm installed, kvio-reference not (a GPU plugin on a machine
+    without its GPU: nothing can run)."""
+    real = registry_module.metadata.entry_points
+
+    def entry_points(**kw: object) -> list:
+        found = list(real(**kw))
+        if kw.get("group") == registry_module.ENTRY_POINT_GROUP:
+            return [ep for ep in found if ep.name in ("cuda", "rocm")]
+        return found
+
+    monkeypatch.setattr(registry_module.metadata, "entry_points", entry_points)
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine where "
+                    "kvio-cuda cannot run")
+def test_gpu_plugins_that_cannot_run_here_point_at_the_reference(
+        gpu_plugins_only: None, capsys: pytest.CaptureFixture[str]) -> None:
+    import torch
+
+    from kvcore.registry import make_request
+
+    rc = main(["backends"])
+    out, err = capsys.readouterr()
+    assert rc == 1 and "UNAVAILABLE" in out, out
+    assert "none of the installed backends can run on this machine" in err
+    assert "pip install kvio-reference" in err
+    with pytest.raises(NoBackend, match=r"kvio-reference, the pure-torch backend for any "
+                                        r"device, is not installed: pip install kvio-reference"):
+        Registry(environ={}).resolve(make_request("write_back", "mha", "page_first",
+                                                  torch.bfloat16, 256, "cpu"))
+
+
 def test_resolving_without_plugins_says_which_to_install(no_plugins: None) -> None:
     import torch
 
