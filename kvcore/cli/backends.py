@@ -52,6 +52,7 @@ def backend_facts(registry: Registry) -> list[dict[str, Any]]:
                                "dtypes": [dtype_name(d) for d in s.host_index.dtypes]},
                 "device_index": {"residency": s.device_index.residency.value,
                                  "dtypes": [dtype_name(d) for d in s.device_index.dtypes]},
+                "dtypes": None if s.dtypes is None else sorted(dtype_name(d) for d in s.dtypes),
                 "element_alignment": s.element_alignment, "staged": s.staged,
                 "staging_bytes": s.staging_bytes, "batched_memcpy": s.batched_memcpy,
                 "contiguous_pages": s.contiguous_pages, "layer_signals": s.layer_signals,
@@ -97,6 +98,7 @@ def _table(facts: list[dict[str, Any]]) -> str:
             lines.append(
                 f"               host idx {op['host_index']['residency']}, device idx "
                 f"{op['device_index']['residency']}, align {op['element_alignment']} B"
+                + (f", dtypes {'/'.join(op['dtypes'])}" if op.get("dtypes") else "")
                 + (f", staging {op['staging_bytes'] >> 20} MiB" if op["staged"] else "")
                 + (", all layers in one job, a signal per layer"
                    if op.get("layer_signals") else "")

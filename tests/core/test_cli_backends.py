@@ -63,6 +63,28 @@ def test_table_shows_each_variants_page_window(capsys: pytest.CaptureFixture[str
     assert _window(100, None) == ", pages >= 100 B"
 
 
+def test_a_variants_element_dtypes_are_listed(capsys: pytest.CaptureFixture[str]) -> None:
+    """A narrow dtype claim is visible, not only as "not claimed" rows of kvio check."""
+    import attrs
+
+    from kvcore import BackendSpec, default_registry
+
+    registry = default_registry()
+    with registry.isolated():
+        ref = registry.get("reference").spec
+        ops = tuple(attrs.evolve(o, dtypes=("bfloat16", "float16")) for o in
+                    ref.capabilities.ops)
+        registry.register(BackendSpec(capabilities=attrs.evolve(
+            ref.capabilities, name="narrow", priority=-100, ops=ops), factory=ref.factory))
+        facts = _facts(capsys)
+        _, out, _ = _kvio(capsys)
+    assert {tuple(op["dtypes"]) for op in facts["narrow"]["ops"]} == {("bfloat16", "float16")}
+    assert all(op["dtypes"] is None for op in facts["reference"]["ops"])  # any dtype
+    lines = out.splitlines()
+    narrow = lines.index(next(line for line in lines if line.startswith("narrow ")))
+    assert lines[narrow + 3].endswith("dtypes bfloat16/float16"), lines[narrow:narrow + 4]
+
+
 def test_json_parses_and_says_why(capsys: pytest.CaptureFixture[str]) -> None:
     facts = _facts(capsys)
     ref = facts["reference"]
