@@ -488,6 +488,23 @@ def _same_dist(a: str | None, b: str | None) -> bool:
     return normalize_distribution(a) == normalize_distribution(b)
 
 
+def undeclared_plugins(name: str) -> list[str]:
+    """Installed distributions that look like the plugin of backend ``name`` (``name`` is in
+    their name) but declare no ``kvcore.backends`` entry point, each with the entry-point
+    groups it does declare: a misspelt group leaves a plugin unseen, with no error of its own.
+    Read from metadata only; for an error message (it lists every distribution)."""
+    wanted = normalize_distribution(name)
+    found = []
+    for dist in metadata.distributions():
+        dist_name = dist.metadata.get("Name") or ""
+        if not wanted or wanted not in normalize_distribution(dist_name):
+            continue
+        groups = sorted({ep.group for ep in dist.entry_points})
+        if ENTRY_POINT_GROUP not in groups:
+            found.append(f"{dist_name} (entry-point groups: {', '.join(groups) or 'none'})")
+    return sorted(set(found))
+
+
 _default: Registry | None = None
 _default_lock = threading.Lock()
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from kvcore.errors import InvalidArgument, NoBackend, PluginLoadError
-from kvcore.registry import Registry
+from kvcore.registry import ENTRY_POINT_GROUP, Registry, undeclared_plugins
 from kvcore.streams import resolve_device
 
 
@@ -128,8 +128,11 @@ def require_backend(registry: Registry, name: str, argument: str) -> None:
         registry.get(name)
     except NoBackend:
         known = ", ".join(r.name for r in registry.backends()) or "none"
+        unseen = undeclared_plugins(name)
+        hint = (f"; installed but not declared under the {ENTRY_POINT_GROUP!r} entry-point "
+                f"group: {'; '.join(unseen)}" if unseen else "")
         raise InvalidArgument(argument, f"the name of an installed backend ({known})",
-                              repr(name)) from None
+                              repr(name) + hint) from None
     except PluginLoadError as exc:
         raise PluginLoadError(f"{argument}={name}: {str(exc).splitlines()[0]}",
                               plugin_traceback=exc.plugin_traceback) from exc

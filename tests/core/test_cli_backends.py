@@ -153,6 +153,31 @@ def test_explain_forced_unknown_backend_fails_cleanly(
                           "an installed backend") and "'nosuch'" in err
 
 
+def test_a_plugin_under_a_misspelt_entry_point_group_is_named(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Installed with ``[project.entry-points."kvcore.backend"]``, a plugin is simply not
+    seen; asked for by name, the refusal says which distribution and which groups it has."""
+    import kvcore.registry as registry_module
+
+    class Toy(registry_module.metadata.Distribution):
+        def read_text(self, filename: str) -> str | None:
+            return {"METADATA": "Metadata-Version: 2.1\nName: kvio-toy\nVersion: 0.1\n",
+                    "entry_points.txt": "[kvcore.backend]\ntoy = kvio_toy\n"}.get(filename)
+
+        def locate_file(self, path: object) -> object:
+            return path
+
+    real = registry_module.metadata.distributions
+    monkeypatch.setattr(registry_module.metadata, "distributions",
+                        lambda **kw: [*real(**kw), Toy()])
+    rc, _, err = _kvio(capsys, "--explain", "--device", "cpu", "--backend", "toy")
+    assert rc == 2
+    assert ("--backend: expected the name of an installed backend" in err
+            and "got 'toy'; installed but not declared under the 'kvcore.backends' entry-point "
+                "group: kvio-toy (entry-point groups: kvcore.backend)" in err), err
+    assert registry_module.undeclared_plugins("reference") == []  # declared: not listed
+
+
 def test_explain_unsupported_combination_fails_cleanly(
         capsys: pytest.CaptureFixture[str]) -> None:
     rc, _, err = _kvio(capsys, "--explain", "--device", "cpu", "--kind", "mla", "--layout",
