@@ -11,6 +11,10 @@ from __future__ import annotations
 from typing import Any
 
 #: what to install when kvcore finds no backend at all
+REFERENCE_HINT = ("kvio-reference, the pure-torch backend for any device, is not installed: "
+                  "pip install kvio-reference, or from a checkout pip install -e "
+                  "plugins/kvio_reference")
+
 NO_PLUGIN_HINT = ("kvcore alone has no backend; install kvio-reference (pure torch, any device, "
                   "the oracle) and the plugin of your GPU, kvio-cuda (NVIDIA) or kvio-rocm "
                   "(AMD); from a checkout: pip install -e plugins/kvio_reference")
@@ -55,17 +59,16 @@ class UnsupportedCombination(KVCoreError, ValueError):
 class NoBackend(KVCoreError, LookupError):
     """No backend can serve a request. ``reasons`` maps each candidate to why it was refused."""
 
-    def __init__(self, request: str, reasons: dict[str, str]) -> None:
+    def __init__(self, request: str, reasons: dict[str, str],
+                 without_reference: bool = False) -> None:
         self.request = request
         self.reasons = dict(reasons)
         lines = [f"no backend can serve {request}"]
         if not reasons:
             lines.append(f"  (no backends are registered: {NO_PLUGIN_HINT})")
         lines += [f"  {name}: {why}" for name, why in sorted(reasons.items())]
-        if reasons and "reference" not in reasons:
-            lines.append("  (kvio-reference, the pure-torch backend for any device, is not "
-                         "installed: pip install kvio-reference, or from a checkout pip "
-                         "install -e plugins/kvio_reference)")
+        if reasons and without_reference:  # (other plugins are, and none of them serves it)
+            lines.append(f"  ({REFERENCE_HINT})")
         super().__init__("\n".join(lines))
 
 

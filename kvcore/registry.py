@@ -474,7 +474,8 @@ class Registry:
                     raise BackendUnavailable(
                         f"backend {res.forced!r} was requested for {request} but is "
                         f"unavailable: {avail.reason}")  # type: ignore[union-attr]
-            raise NoBackend(str(request), res.reasons)
+            raise NoBackend(str(request), res.reasons,
+                            without_reference=REFERENCE not in self._backends)
         name = res.chosen.name
         caps = res.chosen.spec.capabilities
         return TransferPlan(request=request, backend_name=name, backend_version=caps.version,

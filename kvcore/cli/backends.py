@@ -11,7 +11,7 @@ import torch
 
 from kvcore.capabilities import Unavailable
 from kvcore.cli.common import parse_device, require_backend
-from kvcore.errors import NO_PLUGIN_HINT, InvalidArgument
+from kvcore.errors import NO_PLUGIN_HINT, REFERENCE_HINT, InvalidArgument
 from kvcore.layout import Kind, Layout, Op
 from kvcore.plan import dtype_name
 from kvcore.registry import Registry, default_registry, make_request
@@ -135,8 +135,7 @@ def run(args: argparse.Namespace) -> int:
         return 1
     if not any(f["available"] for f in facts):  # e.g. kvio-cuda alone on a machine without
         print("kvio backends: none of the installed backends can run on this machine; "
-              "kvio-reference (pure torch) runs on any device: pip install kvio-reference, "
-              "or from a checkout pip install -e plugins/kvio_reference", file=sys.stderr)
+              f"{REFERENCE_HINT}", file=sys.stderr)
         return 1
     return 0
 

@@ -141,6 +141,13 @@ def test_gpu_plugins_that_cannot_run_here_point_at_the_reference(
                                                   torch.bfloat16, 256, "cpu"))
 
 
+def test_no_backend_points_at_the_reference_only_where_it_is_missing(
+        clean_env: pytest.MonkeyPatch) -> None:
+    with pytest.raises(NoBackend) as info:
+        Registry(environ={}).get("nosuch")
+    assert "kvio-reference" not in str(info.value)  # installed here
+
+
 def test_resolving_without_plugins_says_which_to_install(no_plugins: None) -> None:
     import torch
 
