@@ -490,18 +490,23 @@ def _same_dist(a: str | None, b: str | None) -> bool:
 
 
 def undeclared_plugins(name: str) -> list[str]:
-    """Installed distributions that look like the plugin of backend ``name`` (``name`` is in
-    their name) but declare no ``kvcore.backends`` entry point, each with the entry-point
-    groups it does declare: a misspelt group leaves a plugin unseen, with no error of its own.
-    Read from metadata only; for an error message (it lists every distribution)."""
+    """Installed distributions that look like the plugin of backend ``name`` but declare no
+    ``kvcore.backends`` entry point, each with the entry-point groups it does declare: a
+    misspelt group leaves a plugin unseen, with no error of its own. A distribution looks
+    like it where an entry point named ``name`` sits in a group that mentions kvcore or kvio,
+    or where ``name`` is in its name and it is a ``kvio-*`` distribution or has such a group.
+    Read from metadata only; for an error message (it walks every distribution)."""
     wanted = normalize_distribution(name)
     found = []
     for dist in metadata.distributions():
-        dist_name = dist.metadata.get("Name") or ""
-        if not wanted or wanted not in normalize_distribution(dist_name):
+        dist_name = normalize_distribution(dist.metadata.get("Name") or "")
+        eps = list(dist.entry_points)
+        groups = sorted({ep.group for ep in eps})
+        if not wanted or ENTRY_POINT_GROUP in groups:
             continue
-        groups = sorted({ep.group for ep in dist.entry_points})
-        if ENTRY_POINT_GROUP not in groups:
+        near = [ep for ep in eps if "kvcore" in ep.group or "kvio" in ep.group]
+        if (any(ep.name == name for ep in near)
+                or (wanted in dist_name and (near or dist_name.startswith("kvio")))):
             found.append(f"{dist_name} (entry-point groups: {', '.join(groups) or 'none'})")
     return sorted(set(found))
 
