@@ -44,7 +44,7 @@ from kvcore.plan import BoundPlan, Submission, TransferPlan, check_pool_pair
 from kvcore.policy import CacheEvent, WritePolicy, should_back_up
 from kvcore.pools import DevicePool, HostPool
 from kvcore.registry import Registry, default_registry, make_request
-from kvcore.streams import Fence, current_stream, new_stream, synchronize_quietly
+from kvcore.streams import Fence, current_stream, new_stream, on_stream, synchronize_quietly
 from kvcore.validate import CheckedTensors, check_index_tensor, check_instance, is_int
 from kvcore.write_queue import Health, WriteQueue
 
@@ -368,10 +368,13 @@ class HiCacheController:
             return subs
         # a group's per-layer load goes layer by layer across members, so layer 0 of every
         # member lands first (one member's signaled job would hold back the next member's);
-        # the indices are placed once, not once per layer, on the caller's stream, which our
-        # stream then follows (copies and all)
-        placed = [self.bound[(i, op)].place(h, d) for i in members]
+        # the indices are placed once, not once per layer, on our stream once it follows the
+        # caller's: copies made there go back to our stream's memory when this returns, reused
+        # only after the layers that read them (made on the caller's stream, they were free
+        # for the caller's next allocation while our layers still read them)
         self._fence.order(stream, caller)
+        with on_stream(stream):
+            placed = [self.bound[(i, op)].place(h, d) for i in members]
         return [self.bound[(i, op)]._issue(*placed[i], layer, stream, layer + i > 0)
                 for layer in range(self.members[0].host.geometry.num_layers) for i in members]
 

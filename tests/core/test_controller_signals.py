@@ -125,6 +125,53 @@ def test_a_pool_group_keeps_one_job_per_layer_and_member() -> None:
     assert layers == sorted(list(range(LAYERS)) * 2)  # one member's job would hold the next's
 
 
+def test_a_pool_group_places_its_indices_on_its_load_stream_after_the_fence(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Copies of the indices live on the stream whose layers read them: made on the caller's
+    stream, they went back to the caller's memory when load() returned, free for its next
+    allocation while later layers still read them (a GPU-only race; here the order of the
+    calls is what is checked, on stand-in streams)."""
+    import contextlib
+
+    import kvcore.controller
+    from kvcore.plan import BoundPlan
+    from kvcore.testing.stand_in_streams import stand_in_streams
+
+    seen: list[str] = []
+    current: list[Any] = [None]
+    place = BoundPlan.place
+
+    def placing(self: BoundPlan, h: torch.Tensor, d: torch.Tensor, *a: Any) -> Any:
+        seen.append(f"place on {current[0]}")
+        return place(self, h, d, *a)
+
+    @contextlib.contextmanager
+    def switched(stream: Any) -> Any:
+        current[0], before = stream, current[0]
+        try:
+            yield
+        finally:
+            current[0] = before
+
+    monkeypatch.setattr(BoundPlan, "place", placing)
+    registry, _ = _registry()
+    with stand_in_streams("cpu"):
+        ctl = HiCacheController(*_pools(registry), registry=registry,
+                                members=[_pools(registry)])
+        ack = ctl.write(_pages(0, 2))
+        ctl.wait_acks()
+        fence, kept = ctl._fence, kvcore.controller.on_stream
+        order = fence.order
+        kvcore.controller.on_stream = switched  # (put back before stand_in_streams does)
+        monkeypatch.setattr(fence, "order", lambda s, after: (seen.append("fence"),
+                                                              order(s, after))[1])
+        try:
+            ctl.load(ack.host_indices, _pages(10, 2)).wait()
+        finally:
+            kvcore.controller.on_stream = kept
+    assert seen == ["fence", f"place on {ctl.load_stream}", f"place on {ctl.load_stream}"]
+
+
 def test_a_variant_that_forgets_its_signals_fails_the_load_with_the_cause() -> None:
     registry, _ = _registry(forget=True)
     dev, host = _pools(registry)

@@ -127,3 +127,34 @@ def test_each_wait_layer_covers_its_layer_when_layers_land_in_groups(pages: int)
             (dst_pages[:, None] * PAGE + ramp).flatten().to(DEVICE))
     signals = handle._submissions[0].completions[0]
     assert 1 <= getattr(signals, "group", 1) <= LAYERS
+
+
+def test_a_pool_groups_placed_indices_stay_the_loads_while_its_layers_run() -> None:
+    """A pool group's per-layer load places the ack's CPU host indices on the device once for
+    all its layers. Those copies must not go back to the caller's stream for its next
+    allocation while the layers still read them (they did: the load's later layers then read
+    the caller's values and failed, or moved the wrong pages)."""
+    (dev, host), (dev2, host2) = _pools("page_first"), _pools("page_first")
+    ctl = HiCacheController(dev, host, members=[(dev2, host2)])
+    ramp = torch.arange(PAGE, device=DEVICE)
+    src = (torch.arange(0, 8, device=DEVICE)[:, None] * PAGE + ramp).flatten()
+    dst = (torch.arange(40, 48, device=DEVICE)[:, None] * PAGE + ramp).flatten()
+    ack = ctl.write(src)
+    ctl.wait_acks()
+    for pool in (dev, dev2):
+        for t in pool.all_buffers():
+            t[dst] = torch.full_like(t[dst], -3.0)
+    with torch.cuda.stream(ctl.load_stream):
+        torch.cuda._sleep(200_000_000)  # the layers run after the caller has moved on
+    handle = ctl.load(ack.host_indices, dst)
+    # the caller's next allocations of the copies' size, holding out-of-range values
+    clobber = [torch.full((src.numel(),), 1 << 40, dtype=torch.int64, device=DEVICE)
+               for _ in range(8)]
+    handle.wait()
+    del clobber
+    for pool in (dev, dev2):
+        for kv in range(2):
+            for layer in range(LAYERS):
+                t = pool.layers(kv)[layer]
+                assert torch.equal(t[dst].view(torch.int16), t[src].view(torch.int16)), \
+                    (kv, layer)
