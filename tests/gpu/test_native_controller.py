@@ -131,9 +131,15 @@ def test_each_wait_layer_covers_its_layer_when_layers_land_in_groups(pages: int)
 
 def test_a_pool_groups_placed_indices_stay_the_loads_while_its_layers_run() -> None:
     """A pool group's per-layer load places the ack's CPU host indices on the device once for
-    all its layers. Those copies must not go back to the caller's stream for its next
-    allocation while the layers still read them (they did: the load's later layers then read
-    the caller's values and failed, or moved the wrong pages)."""
+    all its layers; with its load stream held up and the caller allocating on a stream of its
+    own right after load(), every member's pages still land exactly.
+
+    Before 37e7db9 the copies were made on the caller's stream, and the caller's next
+    allocations here did take their memory while the layers were still queued. Yet on the
+    H100s tried, this test passed without the fix too: the caller's stream waited for the
+    load stream's sleep anyway, for a reason not found (docs/benchmarks/h100-2026-12-06e). The
+    order that makes the copies the load stream's is checked on the CPU
+    (tests/core/test_controller_signals.py)."""
     (dev, host), (dev2, host2) = _pools("page_first"), _pools("page_first")
     ctl = HiCacheController(dev, host, members=[(dev2, host2)])
     ramp = torch.arange(PAGE, device=DEVICE)
@@ -141,16 +147,30 @@ def test_a_pool_groups_placed_indices_stay_the_loads_while_its_layers_run() -> N
     dst = (torch.arange(40, 48, device=DEVICE)[:, None] * PAGE + ramp).flatten()
     ack = ctl.write(src)
     ctl.wait_acks()
+    # the caller on a stream of its own: work on the legacy default stream would wait for the
+    # load stream's and hide the race
+    caller = torch.cuda.Stream(DEVICE)
+    with torch.cuda.stream(caller):
+        # memory cached for the caller's stream and pinned staging cached by a first load, so
+        # nothing below allocates through the runtime (cudaMalloc, cudaHostAlloc), which may
+        # wait for the device, and so for the load
+        spare = [torch.empty(src.numel(), dtype=torch.int64, device=DEVICE)
+                 for _ in range(4096)]
+        del spare
+        ctl.load(ack.host_indices, dst).wait()
+    torch.cuda.synchronize()
     for pool in (dev, dev2):
         for t in pool.all_buffers():
             t[dst] = torch.full_like(t[dst], -3.0)
     with torch.cuda.stream(ctl.load_stream):
-        torch.cuda._sleep(200_000_000)  # the layers run after the caller has moved on
-    handle = ctl.load(ack.host_indices, dst)
-    # the caller's next allocations of the copies' size, holding out-of-range values
-    clobber = [torch.full((src.numel(),), 1 << 40, dtype=torch.int64, device=DEVICE)
-               for _ in range(8)]
-    handle.wait()
+        torch.cuda._sleep(2_000_000_000)  # (about 1 s) the layers run after the caller moved on
+    with torch.cuda.stream(caller):
+        handle = ctl.load(ack.host_indices, dst)
+        # the caller's next allocations of the copies' size, holding out-of-range values
+        clobber = [torch.full((src.numel(),), 1 << 40, dtype=torch.int64, device=DEVICE)
+                   for _ in range(64)]
+        assert not ctl.load_stream.query(), "the load ran before the caller moved on"
+        handle.wait()
     del clobber
     for pool in (dev, dev2):
         for kv in range(2):
