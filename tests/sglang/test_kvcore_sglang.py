@@ -127,6 +127,31 @@ def test_a_kvcore_sglang_value_that_is_neither_on_nor_off_is_refused(
     assert {t: list(h) for t, h in HookRegistry._hooks.items()} == before
 
 
+def test_without_kvcore_the_plugin_warns_once_and_registers_nothing(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """kvcore-sglang installed, kvcore not importable: one warning line (not SGLang's raw
+    traceback of a failed plugin), SGLang's own transfers; KVCORE_SGLANG=off silences it."""
+    import importlib
+    import sys
+
+    monkeypatch.setitem(sys.modules, "kvcore", None)  # (import kvcore raises ImportError)
+    for name in ("kvcore_sglang.hooks", "kvcore_sglang.plugin"):
+        monkeypatch.delitem(sys.modules, name)
+    fresh = importlib.import_module("kvcore_sglang.plugin")  # imports no kvcore
+    before = {t: list(h) for t, h in HookRegistry._hooks.items()}
+    with caplog.at_level(logging.INFO, logger="kvcore_sglang"):
+        fresh.register()
+    assert {t: list(h) for t, h in HookRegistry._hooks.items()} == before
+    warned = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 1 and "kvcore cannot be imported" in warned[0].getMessage()
+    assert "KVCORE_SGLANG=off" in warned[0].getMessage()
+    caplog.clear()
+    monkeypatch.setenv("KVCORE_SGLANG", "off")
+    with caplog.at_level(logging.INFO, logger="kvcore_sglang"):
+        fresh.register()
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
 # -- building SGLang's own pools ----------------------------------------------------------------
 
 
@@ -335,6 +360,31 @@ def test_a_kvcore_backend_that_cannot_serve_the_pool_is_a_warning(
     _assert_declined(caplog, original_calls, "KVCORE_BACKEND=bogus cannot serve it")
     assert all(r.levelno == logging.WARNING for r in caplog.records
                if "KVCORE_BACKEND=bogus" in r.getMessage())
+
+
+def test_no_backend_that_can_run_here_is_a_warning(original_calls, caplog, monkeypatch) -> None:
+    """kvcore on, but no installed backend runs on the pool's device (a GPU plugin whose probe
+    failed, the reference not installed): every transfer falls back, so it is not INFO news."""
+    import kvcore.registry as registry_module
+
+    real = registry_module.metadata.entry_points
+
+    def gpu_plugins_only(**kw: object) -> list:
+        found = list(real(**kw))
+        if kw.get("group") == registry_module.ENTRY_POINT_GROUP:
+            return [ep for ep in found if ep.name in ("cuda", "rocm")]
+        return found
+
+    monkeypatch.setattr(registry_module.metadata, "entry_points", gpu_plugins_only)
+    monkeypatch.delenv("KVCORE_BACKEND", raising=False)
+    registry = registry_module.Registry(environ={})
+    monkeypatch.setattr(hooks, "default_registry", lambda: registry)
+    dev, host = mha_pools("page_first", torch.bfloat16, 4)
+    with caplog.at_level(logging.INFO, logger="kvcore_sglang"):
+        _call_both(host, dev)
+    _assert_declined(caplog, original_calls, "no kvcore backend can run on cpu")
+    assert all(r.levelno == logging.WARNING for r in caplog.records
+               if "no kvcore backend can run on" in r.getMessage())
 
 
 def test_draft_load_declines(original_calls, caplog, monkeypatch) -> None:

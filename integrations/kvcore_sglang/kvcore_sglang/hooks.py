@@ -38,25 +38,6 @@ logger = logging.getLogger("kvcore_sglang")
 #: (``pool_host/common.py``: ``_CUDA_HOST_REGISTERED_RANGES_ATTR``); non-empty means registered.
 SGLANG_REGISTERED_RANGES_ATTR = "_sglang_cuda_host_registered_ranges"
 
-#: ``KVCORE_SGLANG`` values that turn the plugin off, and those that leave it on (as unset)
-OFF_VALUES = frozenset({"off", "0", "false", "no"})
-ON_VALUES = frozenset({"", "on", "1", "true", "yes"})
-
-
-def enabled(environ: Any = None) -> bool:
-    """False when ``KVCORE_SGLANG`` is off/0/false/no, True when unset or on/1/true/yes (read
-    when the plugin registers); any other value is refused with InvalidArgument naming the
-    variable (a misspelt "off" left the plugin on without a word)."""
-    env = os.environ if environ is None else environ
-    value = env.get("KVCORE_SGLANG", "").strip().lower()
-    if value in OFF_VALUES:
-        return False
-    if value in ON_VALUES:
-        return True
-    raise InvalidArgument("KVCORE_SGLANG", "off, 0, false or no (or on, 1, true, yes; unset "
-                                           "is on)", repr(env.get("KVCORE_SGLANG")))
-
-
 @attrs.frozen
 class Decline:
     """kvcore does not model this pool or call; SGLang's original method runs."""
@@ -173,6 +154,9 @@ def _decide(host: Any, kind: Kind) -> Routed | Decline:
         forced = os.environ.get("KVCORE_BACKEND")
         if forced:
             return Decline(f"KVCORE_BACKEND={forced} cannot serve it: {exc}", logging.WARNING)
+        if not _runnable_backends(device_pool.device):  # installed and on, yet moving nothing
+            return Decline(f"no kvcore backend can run on {device_pool.device} (kvio backends "
+                           f"says why): {exc}", logging.WARNING)
         return Decline(f"no kvcore backend serves it: {exc}")
     bound = {}
     for op, plan in plans.items():
@@ -181,6 +165,13 @@ def _decide(host: Any, kind: Kind) -> Routed | Decline:
         except KVCoreError as exc:
             return Decline(f"backend {plan.backend_name!r} ({op.value}) refuses the pool: {exc}")
     return Routed(kind, device_pool, host_pool, plans, bound)
+
+
+def _runnable_backends(device: torch.device) -> list[str]:
+    """The installed backends that are available and run on ``device``'s type."""
+    reg = default_registry()
+    return [r.name for r in reg.backends()
+            if r.spec.capabilities.supports_device(device) and reg.availability(r.name)]
 
 
 def _resolve(device_pool: DevicePool, host_pool: HostPool) -> dict[Op, TransferPlan]:

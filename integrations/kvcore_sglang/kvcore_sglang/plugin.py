@@ -14,8 +14,10 @@ import pkgutil
 from collections.abc import Callable
 from typing import Any
 
-from kvcore import Kind
-from kvcore_sglang import hooks
+from kvcore_sglang.switch import enabled
+
+# (kvcore is imported by register(), once the switch is read: a server without kvcore then
+# gets one warning, and KVCORE_SGLANG=off silences even that)
 
 logger = logging.getLogger("kvcore_sglang")
 
@@ -24,12 +26,12 @@ MLA_HOST = "sglang.srt.mem_cache.pool_host.mla.MLATokenToKVPoolHost"
 BACKUP = "backup_from_device_all_layer"
 LOAD = "load_to_device_per_layer"
 
-#: every hook target, with the kvcore kind of its pool
-TARGETS: dict[str, Kind] = {
-    f"{MHA_HOST}.{BACKUP}": Kind.MHA,
-    f"{MHA_HOST}.{LOAD}": Kind.MHA,
-    f"{MLA_HOST}.{BACKUP}": Kind.MLA,
-    f"{MLA_HOST}.{LOAD}": Kind.MLA,
+#: every hook target, with the kvcore kind (``Kind`` value) of its pool
+TARGETS: dict[str, str] = {
+    f"{MHA_HOST}.{BACKUP}": "mha",
+    f"{MHA_HOST}.{LOAD}": "mha",
+    f"{MLA_HOST}.{BACKUP}": "mla",
+    f"{MLA_HOST}.{LOAD}": "mla",
 }
 
 _classes: dict[str, type] = {}
@@ -44,7 +46,10 @@ def _pool_class(path: str) -> type:
 
 def make_hook(target: str) -> Callable[..., Any]:
     """The AROUND hook for ``target`` (one of :data:`TARGETS`)."""
-    kind = TARGETS[target]
+    from kvcore import Kind
+    from kvcore_sglang import hooks
+
+    kind = Kind(TARGETS[target])
     cls_path, method = target.rsplit(".", 1)
     body = hooks.backup_from_device_all_layer if method == BACKUP else \
         hooks.load_to_device_per_layer
@@ -64,8 +69,16 @@ def make_hook(target: str) -> Callable[..., Any]:
 
 def register() -> None:
     """Entry point (``sglang.srt.plugins``: ``kvcore``): register the AROUND hooks."""
-    if not hooks.enabled():
+    if not enabled():
         logger.info("kvcore-sglang: off (KVCORE_SGLANG); SGLang moves HiCache pages itself")
+        return
+    try:
+        import kvcore_sglang.hooks  # noqa: F401 (kvcore and torch: here, not at import)
+    except ImportError as exc:
+        logger.warning("kvcore-sglang: kvcore cannot be imported (%s: %s); SGLang moves HiCache "
+                       "pages itself. Install kvcore and a backend plugin (kvio-reference, "
+                       "kvio-cuda or kvio-rocm), or set KVCORE_SGLANG=off",
+                       type(exc).__name__, exc)
         return
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
