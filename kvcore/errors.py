@@ -12,8 +12,8 @@ from typing import Any
 
 #: what to install when kvcore finds no backend at all
 REFERENCE_HINT = ("kvio-reference, the pure-torch backend for any device, is not installed: "
-                  "pip install kvio-reference, or from a checkout pip install -e "
-                  "plugins/kvio_reference")
+                  "install it (its wheel from scripts/build_wheels.sh, or from a checkout pip "
+                  "install -e plugins/kvio_reference)")
 
 NO_PLUGIN_HINT = ("kvcore alone has no backend; install kvio-reference (pure torch, any device, "
                   "the oracle) and the plugin of your GPU, kvio-cuda (NVIDIA) or kvio-rocm "
