@@ -2124,6 +2124,7 @@ struct Job {
     int device = 0;
     cudaEvent_t after = nullptr;  // recorded on the caller's stream (null: it is `stream`)
     cudaEvent_t done = nullptr;   // recorded on `stream` after everything the job enqueued
+    bool done_recorded = false;   // set before `issued`; false: nothing to wait for on failure
     bool issued = false;          // guarded by JobQueue::mutex
     bool released = false;        // guarded by JobQueue::mutex
     cudaError_t error = cudaSuccess;
@@ -2168,7 +2169,7 @@ void give_job_events(const Job* job) {
 // after whatever was enqueued (so a completion is never reported while a part of the
 // transfer may still run). `host_idx`: the job's own copy, or the caller's array where the
 // caller issues it.
-cudaError_t issue_staged_job(const Job& job, const int64_t* host_idx, int64_t n_tokens) {
+cudaError_t issue_staged_job(Job& job, const int64_t* host_idx, int64_t n_tokens) {
     cudaError_t err = cudaSetDevice(job.device);
     if (err == cudaSuccess && job.after != nullptr) {
         err = cudaStreamWaitEvent(job.stream, job.after, 0);
@@ -2180,6 +2181,7 @@ cudaError_t issue_staged_job(const Job& job, const int64_t* host_idx, int64_t n_
                               job.stream, &job.bounds);
     }
     const cudaError_t recorded = cudaEventRecord(job.done, job.stream);
+    job.done_recorded = recorded == cudaSuccess;
     if (err != cudaSuccess || recorded != cudaSuccess) {
         (void)cudaGetLastError();
     }
@@ -2432,7 +2434,18 @@ int job_status(Job* job, bool wait) {
         std::lock_guard<std::mutex> lock(queue.mutex);
         if (!job->issued) return kJobPending;
     }
-    if (job->error != cudaSuccess) return static_cast<int>(job->error);
+    if (job->error != cudaSuccess) {
+        // A job that failed part way may have enqueued copies before the failure, and `done`
+        // was recorded after them: the failure is reported once they completed, since the
+        // caller then releases the host slots and indices they use.
+        if (job->done_recorded) {
+            const cudaError_t settled =
+                wait ? cudaEventSynchronize(job->done) : cudaEventQuery(job->done);
+            if (settled != cudaSuccess) (void)cudaGetLastError();
+            if (settled == cudaErrorNotReady) return kJobPending;
+        }
+        return static_cast<int>(job->error);
+    }
     if (job->done == nullptr) return cudaSuccess;  // nothing was enqueued
     const cudaError_t err = wait ? cudaEventSynchronize(job->done) : cudaEventQuery(job->done);
     if (err == cudaErrorNotReady) {
