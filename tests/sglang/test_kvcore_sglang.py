@@ -341,6 +341,16 @@ def _assert_declined(caplog, calls: list[str], fragment: str, expected_calls: in
         [r.getMessage() for r in caplog.records]
 
 
+def _assert_declined_with_a_warning(caplog, calls: list[str], fragment: str) -> None:
+    """Both transfers of a page_first MHA pool fall back, logged at WARNING with ``fragment``."""
+    dev, host = mha_pools("page_first", torch.bfloat16, 4)
+    with caplog.at_level(logging.INFO, logger="kvcore_sglang"):
+        _call_both(host, dev)
+    _assert_declined(caplog, calls, fragment)
+    assert all(r.levelno == logging.WARNING for r in caplog.records
+               if fragment in r.getMessage())
+
+
 def test_io_backend_direct_declines(original_calls, caplog) -> None:
     dev, host = mha_pools("layer_first", torch.bfloat16, 4)
     with caplog.at_level(logging.INFO, logger="kvcore_sglang"):
@@ -354,37 +364,22 @@ def test_a_kvcore_backend_that_cannot_serve_the_pool_is_a_warning(
     """The user forced a backend: SGLang's own kernel running instead is not news to log at
     INFO, as kvio refuses the same setting outright."""
     monkeypatch.setenv("KVCORE_BACKEND", "bogus")
-    dev, host = mha_pools("page_first", torch.bfloat16, 4)
-    with caplog.at_level(logging.INFO, logger="kvcore_sglang"):
-        _call_both(host, dev)
-    _assert_declined(caplog, original_calls, "KVCORE_BACKEND=bogus cannot serve it")
-    assert all(r.levelno == logging.WARNING for r in caplog.records
-               if "KVCORE_BACKEND=bogus" in r.getMessage())
+    _assert_declined_with_a_warning(caplog, original_calls, "KVCORE_BACKEND=bogus cannot serve it")
 
 
 def test_no_backend_that_can_run_here_is_a_warning(original_calls, caplog, monkeypatch) -> None:
     """kvcore on, but no installed backend runs on the pool's device (a GPU plugin whose probe
     failed, the reference not installed): every transfer falls back, so it is not INFO news."""
-    import kvcore.registry as registry_module
+    from kvcore.capabilities import Unavailable
+    from kvcore.registry import Registry
 
-    real = registry_module.metadata.entry_points
-
-    def gpu_plugins_only(**kw: object) -> list:
-        found = list(real(**kw))
-        if kw.get("group") == registry_module.ENTRY_POINT_GROUP:
-            return [ep for ep in found if ep.name in ("cuda", "rocm")]
-        return found
-
-    monkeypatch.setattr(registry_module.metadata, "entry_points", gpu_plugins_only)
     monkeypatch.delenv("KVCORE_BACKEND", raising=False)
-    registry = registry_module.Registry(environ={})
+    registry = Registry(environ={})
+    available = registry.availability  # (on this CPU machine only the reference's probe passes)
+    monkeypatch.setattr(registry, "availability", lambda name: Unavailable(
+        "its probe failed (the test's)") if name == "reference" else available(name))
     monkeypatch.setattr(hooks, "default_registry", lambda: registry)
-    dev, host = mha_pools("page_first", torch.bfloat16, 4)
-    with caplog.at_level(logging.INFO, logger="kvcore_sglang"):
-        _call_both(host, dev)
-    _assert_declined(caplog, original_calls, "no kvcore backend can run on cpu")
-    assert all(r.levelno == logging.WARNING for r in caplog.records
-               if "no kvcore backend can run on" in r.getMessage())
+    _assert_declined_with_a_warning(caplog, original_calls, "no kvcore backend can run on cpu")
 
 
 def test_draft_load_declines(original_calls, caplog, monkeypatch) -> None:
