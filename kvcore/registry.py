@@ -489,24 +489,26 @@ def _same_dist(a: str | None, b: str | None) -> bool:
     return normalize_distribution(a) == normalize_distribution(b)
 
 
-def undeclared_plugins(name: str) -> list[str]:
-    """Installed distributions that look like the plugin of backend ``name`` but declare no
-    ``kvcore.backends`` entry point, each with the entry-point groups it does declare: a
-    misspelt group leaves a plugin unseen, with no error of its own. A distribution looks
-    like it where an entry point named ``name`` sits in a group that mentions kvcore or kvio,
-    or where ``name`` is in its name and it is a ``kvio-*`` distribution or has such a group.
-    Read from metadata only; for an error message (it walks every distribution)."""
-    wanted = normalize_distribution(name)
+def undeclared_plugins(name: str | None = None) -> list[str]:
+    """Installed distributions that look like a kvcore plugin (of backend ``name``, or of
+    any backend for None) but declare no ``kvcore.backends`` entry point, each with the
+    entry-point groups it does declare: a misspelt group leaves a plugin unseen, with no
+    error of its own. A distribution looks like one where it is a ``kvio-*`` distribution or
+    has a group that mentions kvcore or kvio; like ``name``'s where, besides, an entry point
+    of such a group is named ``name`` or ``name`` is in its own name. Read from metadata only;
+    for messages (it walks every distribution)."""
+    wanted = None if name is None else normalize_distribution(name)
     found = []
     for dist in metadata.distributions():
         dist_name = normalize_distribution(dist.metadata.get("Name") or "")
         eps = list(dist.entry_points)
         groups = sorted({ep.group for ep in eps})
-        if not wanted or ENTRY_POINT_GROUP in groups:
+        if wanted == "" or ENTRY_POINT_GROUP in groups:
             continue
         near = [ep for ep in eps if "kvcore" in ep.group or "kvio" in ep.group]
-        if (any(ep.name == name for ep in near)
-                or (wanted in dist_name and (near or dist_name.startswith("kvio")))):
+        if not (near or dist_name.startswith("kvio-")):
+            continue
+        if wanted is None or any(ep.name == name for ep in near) or wanted in dist_name:
             found.append(f"{dist_name} (entry-point groups: {', '.join(groups) or 'none'})")
     return sorted(set(found))
 

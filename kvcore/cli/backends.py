@@ -14,7 +14,13 @@ from kvcore.cli.common import parse_device, require_backend
 from kvcore.errors import NO_PLUGIN_HINT, REFERENCE_HINT, InvalidArgument
 from kvcore.layout import Kind, Layout, Op
 from kvcore.plan import dtype_name
-from kvcore.registry import Registry, default_registry, make_request
+from kvcore.registry import (
+    ENTRY_POINT_GROUP,
+    Registry,
+    default_registry,
+    make_request,
+    undeclared_plugins,
+)
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
@@ -130,6 +136,9 @@ def run(args: argparse.Namespace) -> int:
                               "explain)", " ".join(ignored))
     facts = backend_facts(registry)
     print(json.dumps(facts, indent=2) if args.json else _table(facts))
+    for unseen in undeclared_plugins():  # (a misspelt entry-point group hides a plugin)
+        print(f"kvio backends: {unseen} looks like a kvcore plugin but declares no "
+              f"{ENTRY_POINT_GROUP!r} entry point, so it is not listed", file=sys.stderr)
     if not facts:  # kvcore without any plugin: say what to install
         print(f"kvio backends: no backend is installed: {NO_PLUGIN_HINT}", file=sys.stderr)
         return 1

@@ -176,6 +176,10 @@ def test_a_plugin_under_a_misspelt_entry_point_group_is_named(
             and "got 'toy'; installed but not declared under the 'kvcore.backends' entry-point "
                 "group: kvio-toy (entry-point groups: kvcore.backend)" in err), err
     assert registry_module.undeclared_plugins("reference") == []  # declared: not listed
+    rc, out, err = _kvio(capsys)  # the listing says so too, and still lists the rest
+    assert rc == 0 and "reference" in out
+    assert ("kvio backends: kvio-toy (entry-point groups: kvcore.backend) looks like a kvcore "
+            "plugin but declares no 'kvcore.backends' entry point, so it is not listed") in err
 
 
 def test_explain_unsupported_combination_fails_cleanly(
