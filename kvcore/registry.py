@@ -354,6 +354,12 @@ class Registry:
         return sorted(self._backends.values(),
                       key=lambda r: (-r.spec.capabilities.priority, r.name))
 
+    def runnable(self, device: torch.device) -> list[str]:
+        """The names of the backends that are available and run on ``device``'s type, in
+        :meth:`backends` order."""
+        return [r.name for r in self.backends()
+                if r.spec.capabilities.supports_device(device) and self.availability(r.name)]
+
     def broken(self) -> list[BrokenPlugin]:
         """The plugins that failed to import or register, with why."""
         self.discover()
@@ -498,12 +504,14 @@ def undeclared_plugins(name: str | None = None) -> list[str]:
     of such a group is named ``name`` or ``name`` is in its own name. Read from metadata only;
     for messages (it walks every distribution)."""
     wanted = None if name is None else normalize_distribution(name)
+    if wanted == "":
+        return []
     found = []
     for dist in metadata.distributions():
         dist_name = normalize_distribution(dist.metadata.get("Name") or "")
         eps = list(dist.entry_points)
         groups = sorted({ep.group for ep in eps})
-        if wanted == "" or ENTRY_POINT_GROUP in groups:
+        if ENTRY_POINT_GROUP in groups:
             continue
         near = [ep for ep in eps if "kvcore" in ep.group or "kvio" in ep.group]
         if not (near or dist_name.startswith("kvio-")):

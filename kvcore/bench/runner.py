@@ -128,9 +128,7 @@ class Bench:
             for name in names:
                 self.registry.get(name)  # an unknown or broken name raises with the cause
         else:
-            names = [r.name for r in self.registry.backends()
-                     if r.spec.capabilities.supports_device(self.device)
-                     and self.registry.availability(r.name)]
+            names = self.registry.runnable(self.device)
         return sorted(names, key=lambda n: n != REFERENCE)
 
     def run(self, advance: Callable[[str], None] | None = None) -> BenchResult:

@@ -30,9 +30,7 @@ def run(args: argparse.Namespace) -> int:
     device = parse_device(args.device)
     for name in args.backend or []:  # a typo is a usage error, not a failed build
         require_backend(registry, name, "--backend")
-    names = args.backend or [r.name for r in registry.backends()
-                             if registry.availability(r.name)
-                             and r.spec.capabilities.supports_device(device)]
+    names = args.backend or registry.runnable(device)
     status = 0
     for name in names:
         start = time.perf_counter()

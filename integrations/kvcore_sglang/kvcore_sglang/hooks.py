@@ -154,7 +154,7 @@ def _decide(host: Any, kind: Kind) -> Routed | Decline:
         forced = os.environ.get("KVCORE_BACKEND")
         if forced:
             return Decline(f"KVCORE_BACKEND={forced} cannot serve it: {exc}", logging.WARNING)
-        if not _runnable_backends(device_pool.device):  # installed and on, yet moving nothing
+        if not default_registry().runnable(device_pool.device):  # on, yet moving nothing
             return Decline(f"no kvcore backend can run on {device_pool.device} (kvio backends "
                            f"says why): {exc}", logging.WARNING)
         return Decline(f"no kvcore backend serves it: {exc}")
@@ -165,13 +165,6 @@ def _decide(host: Any, kind: Kind) -> Routed | Decline:
         except KVCoreError as exc:
             return Decline(f"backend {plan.backend_name!r} ({op.value}) refuses the pool: {exc}")
     return Routed(kind, device_pool, host_pool, plans, bound)
-
-
-def _runnable_backends(device: torch.device) -> list[str]:
-    """The installed backends that are available and run on ``device``'s type."""
-    reg = default_registry()
-    return [r.name for r in reg.backends()
-            if r.spec.capabilities.supports_device(device) and reg.availability(r.name)]
 
 
 def _resolve(device_pool: DevicePool, host_pool: HostPool) -> dict[Op, TransferPlan]:
