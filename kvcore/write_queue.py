@@ -280,8 +280,7 @@ class WriteQueue:
         if self.health.lost is None:
             self.health.lost = self.rounds.broken
         if self._pending or self._doomed:
-            for p in (*self._pending, *self._doomed):  # a transfer another thread issues
-                p.wait_quietly()
+            self.quiesce()  # (a transfer another thread issues included)
             synchronize_quietly(self.write_stream)
             self._pending.extend(self._doomed)
             self._doomed = []

@@ -66,19 +66,13 @@ def local_config(folder: Path) -> Path | None:
     return None
 
 
-def _ran(result: Any) -> int:
-    """How many transfer cases ran against the backend (whatever their outcome; the host
-    memory row runs for every backend)."""
-    ops = tuple(f"{op.value} " for op in Op)
+def _ran(result: Any, transfers_only: bool = True) -> int:
+    """How many cases ran against the backend, whatever their outcome: transfer cases only
+    (the host memory row runs for every backend), or any (a ``-k`` selection may ask for the
+    host memory row alone)."""
+    ops = tuple(f"{op.value} " for op in Op) if transfers_only else ("",)
     return sum(c[o] for row, c in result.counts.items() if row.startswith(ops)
                for o in ("passed", "failed", "xfail", "xpass"))
-
-
-def _ran_any(result: Any) -> bool:
-    """Whether any case ran against the backend, transfer or not (a ``-k`` selection may
-    ask for the host memory row alone)."""
-    totals = result.totals()
-    return any(totals[o] for o in ("passed", "failed", "xfail", "xpass"))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -128,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
         elif args.keyword and not sum(result.totals().values()):
             print(f"{name}: no case matches -k {args.keyword!r}")
             failed = True
-        elif args.keyword and not _ran_any(result):
+        elif args.keyword and not _ran(result, transfers_only=False):
             counts = ", ".join(f"{n} {o}" for o, n in sorted(result.totals().items()) if n)
             print(f"{name}: no case matching -k {args.keyword!r} ran ({counts}): its "
                   "capabilities claim none of them (kvio backends lists what it claims)")
