@@ -2434,18 +2434,11 @@ int job_status(Job* job, bool wait) {
         std::lock_guard<std::mutex> lock(queue.mutex);
         if (!job->issued) return kJobPending;
     }
-    if (job->error != cudaSuccess) {
-        // A job that failed part way may have enqueued copies before the failure, and `done`
-        // was recorded after them: the failure is reported once they completed, since the
-        // caller then releases the host slots and indices they use.
-        if (job->done_recorded) {
-            const cudaError_t settled =
-                wait ? cudaEventSynchronize(job->done) : cudaEventQuery(job->done);
-            if (settled != cudaSuccess) (void)cudaGetLastError();
-            if (settled == cudaErrorNotReady) return kJobPending;
-        }
-        return static_cast<int>(job->error);
-    }
+    // A job that failed part way may have enqueued copies before the failure, and `done` was
+    // recorded after them: its failure too is reported once they completed, since the caller
+    // then releases the host slots and indices they use.
+    const bool failed = job->error != cudaSuccess;
+    if (failed && !job->done_recorded) return static_cast<int>(job->error);
     if (job->done == nullptr) return cudaSuccess;  // nothing was enqueued
     const cudaError_t err = wait ? cudaEventSynchronize(job->done) : cudaEventQuery(job->done);
     if (err == cudaErrorNotReady) {
@@ -2453,7 +2446,7 @@ int job_status(Job* job, bool wait) {
         return kJobPending;
     }
     if (err != cudaSuccess) (void)cudaGetLastError();
-    return static_cast<int>(err);
+    return static_cast<int>(failed ? job->error : err);
 }
 
 // A failed runtime call also leaves its (non-sticky) code in the runtime's last-error slot,
