@@ -1,7 +1,10 @@
 """Whether small write-backs of contiguous host pages should skip the staging hop: the same
 queues of controller ``write()`` calls (kvio bench's controller rows, page_first) with the
-shipped choice (``staged``: a device gather, then copies of whole pages, from 64-KiB pages)
-and with the ``direct`` kernel forced (one kernel storing into pinned host memory).
+shipped choice (``staged``: a device gather, then copies of whole pages, from 64-KiB pages),
+with the ``direct`` kernel forced (one kernel storing into pinned host memory, the host
+indices in its launch) and with every staged write-back ``handed`` to the library's thread
+(``kvio_write_back_staged_async`` from the first byte: the caller pays the checks and the
+handover, the thread the runtime calls).
 
 h200-2026-12-05: an MLA write of 1 page (2.25 MiB) ran at 0.78-0.82 of the ceiling and 4 pages
 at 0.91, under issue 21's 0.85 / 0.93; MHA (8 MiB a page) at 0.905-0.915 / 0.95.
@@ -17,7 +20,7 @@ import sys
 import attrs
 import torch
 
-CASES = [("mla", 1), ("mla", 4), ("mla", 16), ("mha", 1), ("mha", 4)]
+CASES = [("mla", 1), ("mla", 4), ("mla", 16), ("mha", 1), ("mha", 4), ("mha", 16)]
 
 
 def force_direct() -> None:
@@ -34,20 +37,22 @@ def force_direct() -> None:
 def main() -> None:
     import kvio_cuda  # noqa: F401  (reloaded between variants)
 
+    import kvcore.native
     from kvcore.bench.ceiling import Ceiling
     from kvcore.bench.queue import QueueCase, run_queue
     from kvcore.bench.timing import Clock
     from kvcore.layout import Kind, Layout
     from kvcore.registry import REFERENCE, default_registry, reset_default_registry
 
-    variants = sys.argv[1:] or ["staged", "direct", "staged", "direct"]
+    shipped_min = kvcore.native.ASYNC_WRITE_BACK_MIN_BYTES
+    variants = sys.argv[1:] or ["staged", "direct", "handed", "staged", "direct", "handed"]
     print("| variant | kind | pages | MiB | ratio | ms/call | ceiling ms | CPU us |")
     print("|---|---|---|---|---|---|---|---|", flush=True)
     for variant in variants:
+        importlib.reload(sys.modules["kvio_cuda"])  # the shipped capabilities again
+        kvcore.native.ASYNC_WRITE_BACK_MIN_BYTES = 1 if variant == "handed" else shipped_min
         if variant == "direct":
             force_direct()
-        else:
-            importlib.reload(sys.modules["kvio_cuda"])  # the shipped capabilities again
         reset_default_registry()
         registry = default_registry()
         device = torch.device("cuda")
