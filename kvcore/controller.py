@@ -40,11 +40,17 @@ from kvcore.errors import (
 )
 from kvcore.handles import LoadHandle, WriteAck
 from kvcore.layout import Op, parse_enum
-from kvcore.plan import BoundPlan, Submission, TransferPlan, check_pool_pair
+from kvcore.plan import (
+    BoundPlan,
+    Submission,
+    TransferPlan,
+    check_pool_pair,
+    issue_layers_across,
+)
 from kvcore.policy import CacheEvent, WritePolicy, should_back_up
 from kvcore.pools import DevicePool, HostPool
 from kvcore.registry import Registry, default_registry, make_request
-from kvcore.streams import Fence, current_stream, new_stream, on_stream, synchronize_quietly
+from kvcore.streams import current_stream, new_stream, synchronize_quietly
 from kvcore.validate import CheckedTensors, check_index_tensor, check_instance, is_int
 from kvcore.write_queue import Health, WriteQueue
 
@@ -143,7 +149,6 @@ class HiCacheController:
             rounds = AckAgreement(process_group, ack_timeout_s)
         self.write_stream = new_stream(self.device)
         self.load_stream = new_stream(self.device)
-        self._fence = Fence(self.device)
         # host index tensors this controller's allocator made (an ack's) since pages were last
         # freed through any other tensor: handed back to load() or free_host() still holding
         # those values, their pages are allocated (no two of them share a page) and need no
@@ -366,17 +371,10 @@ class HiCacheController:
                     synchronize_quietly(sub)
                 raise
             return subs
-        # a group's per-layer load goes layer by layer across members, so layer 0 of every
-        # member lands first (one member's signaled job would hold back the next member's);
-        # the indices are placed once, not once per layer, on our stream once it follows the
-        # caller's: copies made there go back to our stream's memory when this returns, reused
-        # only after the layers that read them (made on the caller's stream, they were free
-        # for the caller's next allocation while our layers still read them)
-        self._fence.order(stream, caller)
-        with on_stream(stream):
-            placed = [self.bound[(i, op)].place(h, d) for i in members]
-        return [self.bound[(i, op)]._issue(*placed[i], layer, stream, layer + i > 0)
-                for layer in range(self.members[0].host.geometry.num_layers) for i in members]
+        # a group's per-layer load goes layer by layer across members, its indices placed
+        # once for all layers
+        return issue_layers_across([self.bound[(i, op)] for i in members], h, d, stream,
+                                   caller)
 
     def _failure(self, what: str, exc: BaseException) -> BaseException:
         if isinstance(exc, (InvalidArgument, ControllerUnusable)) or not isinstance(

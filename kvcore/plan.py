@@ -432,47 +432,70 @@ class BoundPlan:
         device's current one). ``proofs``: see :meth:`_checked`."""
         support = self._routes[(h.is_cpu, d.is_cpu)]
         s = stream if stream is not None else current_stream(self.device)
-        device = self.device
-        h_placed = fits(h, support.host_index, device)
-        if (not h_placed and h.is_cpu and h.numel() <= self._inline_host[id(support)]
-                and h.is_contiguous()):
-            h_placed = True  # the runner copies them into its launch: nothing to upload
-        d_placed = fits(d, support.device_index, device)
+        h_placed, d_placed = self._fit(support, h, d)
         if h_placed and d_placed:
             return self._enqueue(support, h, d, layer, s, chained, after)
         segments: list[int] = []
         sub: Submission | None = None
         try:
-            ring = self._ring
-            if ring is not None and ring.upload is not None:  # no stream switch needed
-                # CPU indices only: what they read the CPU wrote, so no need to follow `after`
-                again = layer is not None  # (an engine submits each layer's alone)
-                if not h_placed:
-                    h, h_placed = self._ring_stage(h, support.host_index, segments, s, again,
-                                                   proofs[0])
-                if not d_placed:
-                    d, d_placed = self._ring_stage(d, support.device_index, segments, s, again,
-                                                   proofs[1])
-            if not (h_placed and d_placed):
-                if after is not None:  # before anything reads a tensor `after` may write
-                    self._fence.order(s, after)
-                    after = None
-                with on_stream(s):  # copies and allocations are ordered on the stream
-                    if not h_placed:
-                        h = self._place_on_stream(h, support.host_index, segments, s)
-                    if not d_placed:
-                        d = self._place_on_stream(d, support.device_index, segments, s)
-            if segments:  # copies on the ring's upload stream: ``s`` waits for them
-                assert self._ring is not None
-                self._ring.ready(s)
+            h, d, after = self._placed(support, h, d, h_placed, d_placed, s, after, segments,
+                                       layer is not None, proofs)
             sub = self._enqueue(support, h, d, layer, s, chained, after)
         finally:  # the ring's slots are free once what read them (or nothing) completed
-            if segments:
-                event = sub.event if sub is not None else recorded_event(device, s)
-                assert self._ring is not None
-                self._ring.seal(segments, event, stream_key(s))
+            self._seal(segments, sub, s)
         assert sub is not None
         return sub
+
+    def _fit(self, support: OpSupport, h: torch.Tensor, d: torch.Tensor) -> tuple[bool, bool]:
+        """Whether each tensor already goes to ``support``'s runner as it is: where and how
+        its IndexSpec wants it, or (host indices) few enough CPU ones for its launch."""
+        device = self.device
+        h_placed = fits(h, support.host_index, device)
+        if (not h_placed and h.is_cpu and h.numel() <= self._inline_host[id(support)]
+                and h.is_contiguous()):
+            h_placed = True  # the runner copies them into its launch: nothing to upload
+        return h_placed, fits(d, support.device_index, device)
+
+    def _placed(self, support: OpSupport, h: torch.Tensor, d: torch.Tensor, h_placed: bool,
+                d_placed: bool, s: Any, after: Any, segments: list[int], again: bool,
+                proofs: tuple[object, object] = (None, None),
+                ) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        """The tensors not yet placed (see :meth:`_fit`), placed for ``s``: CPU ones through
+        the ring where it uploads on a stream of its own (their segments appended to
+        ``segments``, which the caller seals after the work that reads them), else copied on
+        ``s`` once it follows ``after`` (then returned as None: nothing more to order). ``s``
+        then waits for the ring's uploads. ``again``: the same tensors may come back soon
+        (one layer of a load)."""
+        ring = self._ring
+        if ring is not None and ring.upload is not None:  # no stream switch needed
+            # CPU indices only: what they read the CPU wrote, so no need to follow `after`
+            if not h_placed:
+                h, h_placed = self._ring_stage(h, support.host_index, segments, s, again,
+                                               proofs[0])
+            if not d_placed:
+                d, d_placed = self._ring_stage(d, support.device_index, segments, s, again,
+                                               proofs[1])
+        if not (h_placed and d_placed):
+            if after is not None:  # before anything reads a tensor `after` may write
+                self._fence.order(s, after)
+                after = None
+            with on_stream(s):  # copies and allocations are ordered on the stream
+                if not h_placed:
+                    h = self._place_on_stream(h, support.host_index, segments, s)
+                if not d_placed:
+                    d = self._place_on_stream(d, support.device_index, segments, s)
+        if segments:  # copies on the ring's upload stream: ``s`` waits for them
+            assert ring is not None
+            ring.ready(s)
+        return h, d, after
+
+    def _seal(self, segments: list[int], sub: Submission | None, s: Any) -> None:
+        """The ring's ``segments`` free once ``sub`` (the last work reading them; None: it
+        was never enqueued) completed."""
+        if segments:
+            event = sub.event if sub is not None else recorded_event(self.device, s)
+            assert self._ring is not None
+            self._ring.seal(segments, event, stream_key(s))
 
     def _check_stream(self, name: str, stream: Any) -> Any:
         """``stream`` if it is a stream of this plan's device, else InvalidArgument naming
@@ -577,6 +600,44 @@ class BoundPlan:
 
 #: CPU index tensors a bound plan remembers as checked, per role (host, device)
 CHECKED_TENSORS = 16
+
+
+def issue_layers_across(plans: list[BoundPlan], h: torch.Tensor, d: torch.Tensor, stream: Any,
+                        after: Any = None) -> list[Submission]:
+    """A per-layer load of the same indices into every plan's pool pair (a pool group: the
+    controller's ``members``), layer after layer across the plans, so layer 0 of every pair
+    lands first (one signaled job per plan would hold back the next plan's). Indices and
+    streams are checked already (:meth:`BoundPlan._issue`'s terms); the plans are bound for
+    per-layer loads on one device.
+
+    Each plan's indices are placed once for all its layers, as :meth:`BoundPlan.submit`
+    places them (the ring where it uploads on its own stream, else copies on ``stream``
+    after ``after``), and its ring's slots are held until the last layer completed. Returns
+    one submission per layer and plan, in issue order."""
+    first = plans[0]
+    if stream is None:
+        stream = current_stream(first.device)
+    if after is not None:  # the layers read device pages `after` may still write
+        first._fence.order(stream, after)
+    placed: list[tuple[OpSupport, torch.Tensor, torch.Tensor, list[int]]] = []
+    subs: list[Submission] = []
+    try:
+        for plan in plans:
+            support = plan._routes[(h.is_cpu, d.is_cpu)]
+            segments: list[int] = []
+            placed.append((support, h, d, segments))  # (sealed even if placing fails)
+            hp, dp, _ = plan._placed(support, h, d, *plan._fit(support, h, d), stream, None,
+                                     segments, False)
+            placed[-1] = (support, hp, dp, segments)
+        for layer in range(first.num_layers):
+            for i, plan in enumerate(plans):
+                support, hp, dp, _ = placed[i]
+                subs.append(plan._enqueue(support, hp, dp, layer, stream, layer + i > 0))
+    finally:  # every slot is read until the last layer (or, failing, what was enqueued)
+        last = subs[-1] if subs else None
+        for plan, (_, _, _, segments) in zip(plans, placed, strict=False):
+            plan._seal(segments, last, stream)
+    return subs
 
 
 def _issued_later(done: Any) -> bool:

@@ -130,20 +130,22 @@ def test_a_pool_group_places_its_indices_on_its_load_stream_after_the_fence(
     """Copies of the indices live on the stream whose layers read them: made on the caller's
     stream, they went back to the caller's memory when load() returned, free for its next
     allocation while later layers still read them (a GPU-only race; here the order of the
-    calls is what is checked, on stand-in streams)."""
+    calls is what is checked, on stand-in streams). The variant takes int32 host indices
+    only, so the ack's int64 ones are copied, once per member for all its layers."""
     import contextlib
 
-    import kvcore.controller
+    import kvcore.plan
+    from kvcore.capabilities import IndexSpec
     from kvcore.plan import BoundPlan
     from kvcore.testing.stand_in_streams import stand_in_streams
 
     seen: list[str] = []
     current: list[Any] = [None]
-    place = BoundPlan.place
+    place_on_stream = BoundPlan._place_on_stream
 
-    def placing(self: BoundPlan, h: torch.Tensor, d: torch.Tensor, *a: Any) -> Any:
+    def placing(self: BoundPlan, t: torch.Tensor, *a: Any) -> Any:
         seen.append(f"place on {current[0]}")
-        return place(self, h, d, *a)
+        return place_on_stream(self, t, *a)
 
     @contextlib.contextmanager
     def switched(stream: Any) -> Any:
@@ -153,23 +155,39 @@ def test_a_pool_group_places_its_indices_on_its_load_stream_after_the_fence(
         finally:
             current[0] = before
 
-    monkeypatch.setattr(BoundPlan, "place", placing)
     registry, _ = _registry()
+    spec = registry.get("signaled").spec
+    ops = tuple(attrs.evolve(s, host_index=IndexSpec(s.host_index.residency, (torch.int32,)))
+                if s.op is Op.LOAD_LAYER else s for s in spec.capabilities.ops)
+    registry.register(attrs.evolve(spec, capabilities=attrs.evolve(
+        spec.capabilities, name="int32_hosts", ops=ops, priority=60)))
+    monkeypatch.setattr(BoundPlan, "_place_on_stream", placing)
     with stand_in_streams("cpu"):
         ctl = HiCacheController(*_pools(registry), registry=registry,
                                 members=[_pools(registry)])
+        assert ctl.bound[(0, Op.LOAD_LAYER)].plan.backend_name == "int32_hosts"
         ack = ctl.write(_pages(0, 2))
         ctl.wait_acks()
-        fence, kept = ctl._fence, kvcore.controller.on_stream
+        fence = ctl.bound[(0, Op.LOAD_LAYER)]._fence
         order = fence.order
-        kvcore.controller.on_stream = switched  # (put back before stand_in_streams does)
+        monkeypatch.setattr(kvcore.plan, "on_stream", switched)
+        del seen[:]  # (the start-up verification placed some)
         monkeypatch.setattr(fence, "order", lambda s, after: (seen.append("fence"),
                                                               order(s, after))[1])
         try:
-            ctl.load(ack.host_indices, _pages(10, 2)).wait()
+            handle = ctl.load(ack.host_indices, _pages(10, 2))
         finally:
-            kvcore.controller.on_stream = kept
-    assert seen == ["fence", f"place on {ctl.load_stream}", f"place on {ctl.load_stream}"]
+            monkeypatch.undo()  # (before stand_in_streams puts its own back)
+        handle.wait()
+    # both tensors of each member (on a CPU device, a device-resident spec places even a
+    # CPU tensor), once for all layers
+    assert seen == ["fence", *[f"place on {ctl.load_stream}"] * 4]
+    for pool in (ctl.members[0].device, ctl.members[1].device):
+        for kv in range(2):
+            for layer in range(LAYERS):
+                t = pool.layers(kv)[layer]
+                assert torch.equal(t[_pages(10, 2)].view(torch.int16),
+                                   t[_pages(0, 2)].view(torch.int16))
 
 
 def test_a_variant_that_forgets_its_signals_fails_the_load_with_the_cause() -> None:
