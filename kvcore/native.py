@@ -19,7 +19,7 @@ import torch
 
 from kvcore.backend import Runner, TransferJob, job_runner
 from kvcore.capabilities import HostMemory, IndexSpec, OpSupport, Residency, op_support
-from kvcore.errors import InvalidArgument, InvalidIndices
+from kvcore.errors import InvalidArgument, InvalidIndices, TransferFailed
 from kvcore.layout import ByteStrides, Kind, Layout, Op, contiguous_page_layouts, layouts_for
 from kvcore.native_abi import (
     REPORT_BYTES,
@@ -618,12 +618,25 @@ class NativeLayerSignals:
 
 class ReportRing:
     """Pinned host memory for the kernels' reports of out-of-range device-resident indices
-    (``struct kvio_report``, docs/native-abi.md): one slot per transfer, reused round-robin,
-    and a 64-bit epoch per transfer that the kernels store with the bad value. A slot holds
-    a failure of its own transfer only while its epoch matches, so a stale report of an
-    earlier user of the slot can never fail a later transfer."""
+    (``struct kvio_report``, docs/native-abi.md): one slot per transfer, slot ``epoch %
+    SLOTS``, reused round-robin, and a 64-bit epoch per transfer that the kernels store with
+    the bad value.
 
-    SLOTS = 4096
+    The kernels' stores are plain (host memory need not support PCIe atomics), so a transfer
+    issued ``SLOTS`` transfers after another shares its slot and may store its report over the
+    other's before that one is checked. A completion reads an epoch word equal to its
+    own as its own failure, a smaller one as an older transfer's report (so a stale report
+    never fails a later transfer), and a greater one as a later transfer's report that may
+    have overwritten its own: its outcome is unknown and it fails (:class:`BoundsCompletion`).
+    ``SLOTS`` (65536 slots, 2 MiB, allocated once per backend) makes that take 65536 transfers
+    issued between a transfer's issue and its check.
+
+    One case is left: a transfer's kernel that runs after a later transfer of its slot stored
+    a report (its stream stalled while 65536 more transfers were issued) stores its own epoch
+    over that report: the later transfer's own refusal goes unreported and its check passes
+    (a write-back acknowledged without the refused token's bytes). That is a known limit."""
+
+    SLOTS = 65536
 
     def __init__(self, device: torch.device) -> None:
         # pinned where the device has streams (its kernels store into it); on the CPU (an
@@ -647,28 +660,55 @@ class ReportRing:
         return BoundsCompletion(self.words, slot * (REPORT_BYTES // 8), bounds, op)
 
 
+#: the words of a report's epochs (the words are signed; epochs stay below 2**63)
+_HOST_EPOCH_WORD = REPORT_HOST_EPOCH // 8
+_DEVICE_EPOCH_WORD = REPORT_DEVICE_EPOCH // 8
+
+
 class BoundsCompletion:
     """The completion of one native transfer: after its stream work finished, ``check()``
-    raises InvalidIndices naming the index the kernels refused (and did not dereference)."""
+    raises InvalidIndices naming the index the kernels refused (and did not dereference).
+    Where a later transfer sharing the report slot stored its report there (see
+    :class:`ReportRing`), whether this transfer refused an index is unknown: ``check()``
+    raises TransferFailed, so nothing is acknowledged on a guess (its own report on the other
+    side is raised first, as InvalidIndices)."""
 
-    __slots__ = ("_first", "_op", "_words", "bounds")
+    __slots__ = ("_epoch", "_first", "_op", "_words", "bounds")
 
     def __init__(self, words: Any, first: int, bounds: KvioBounds, op: Op) -> None:
         self._words = words  # 64-bit words; this transfer's report starts at word ``first``
         self._first = first
         self.bounds = bounds
+        self._epoch = bounds.epoch
         self._op = op
 
     def check(self) -> None:
+        w, at, epoch = self._words, self._first, self._epoch
+        if w[at + _HOST_EPOCH_WORD] < epoch and w[at + _DEVICE_EPOCH_WORD] < epoch:
+            return  # no report in the slot, or an older transfer's
+        self._fail()
+
+    def _fail(self) -> None:
+        """Raise what the slot holds: this transfer's report, else a later one's."""
         w, at, b = self._words, self._first, self.bounds
-        for name, epoch_at, value_at, size in (
-                ("host_indices", REPORT_HOST_EPOCH, REPORT_HOST_VALUE, b.host_tokens),
-                ("device_indices", REPORT_DEVICE_EPOCH, REPORT_DEVICE_VALUE, b.device_tokens)):
-            if w[at + epoch_at // 8] == b.epoch:
+        sides = (("host_indices", REPORT_HOST_EPOCH, REPORT_HOST_VALUE, b.host_tokens),
+                 ("device_indices", REPORT_DEVICE_EPOCH, REPORT_DEVICE_VALUE, b.device_tokens))
+        for name, epoch_at, value_at, size in sides:
+            if w[at + epoch_at // 8] == self._epoch:
                 raise InvalidIndices(name, f"values in [0, {size})",
                                      f"{w[at + value_at // 8]} (refused by the kernel, "
                                      "which moved no byte for it)",
                                      f"{self._op.value} at completion")
+        for name, epoch_at, _, _ in sides:
+            later = w[at + epoch_at // 8]
+            if later > self._epoch:
+                raise TransferFailed(
+                    f"{self._op.value} (epoch {self._epoch}) at completion: its {name} report "
+                    f"slot was taken by the report of a later transfer (epoch {later}), which "
+                    "refused an index and may have overwritten this one's report (the slot is "
+                    f"reused every {ReportRing.SLOTS} transfers); whether this transfer "
+                    "refused an index is unknown, so it is failed rather than acknowledged "
+                    "on a guess")
 
 
 #: ``KVCORE_ASYNC_WRITE_BACK``: how a staged write-back through the controller is issued

@@ -705,3 +705,77 @@ def test_a_completion_raises_the_report_of_its_own_transfer_only(field: str, nam
     with pytest.raises(InvalidIndices, match=rf"{name}.*\[0, {size}\).*{size + 7}.*refused"):
         done.check()
     neighbour.check()  # the next slot's transfer is untouched
+
+
+def _sharing_a_slot(op: Op) -> tuple[Any, Any, Any]:
+    """A CPU ReportRing and two transfers of it a lap apart: the same report slot."""
+    from kvcore.native import ReportRing
+
+    ring = ReportRing(torch.device("cpu"))
+    earlier = ring.issue(96, 40, op)
+    for _ in range(ReportRing.SLOTS - 1):
+        ring.issue(96, 40, op)
+    later = ring.issue(96, 40, op)
+    assert later.bounds.report == earlier.bounds.report
+    assert later.bounds.epoch == earlier.bounds.epoch + ReportRing.SLOTS
+    return ring, earlier, later
+
+
+def _store(ring: Any, done: Any, side: str, epoch: int, value: int) -> None:
+    """Store a report into the slot of ``done`` as a kernel does: the value word, then the
+    epoch word (plain stores, at the REPORT_* offsets)."""
+    from kvcore.native_abi import (
+        REPORT_DEVICE_EPOCH,
+        REPORT_DEVICE_VALUE,
+        REPORT_HOST_EPOCH,
+        REPORT_HOST_VALUE,
+    )
+
+    epoch_at, value_at = {"host": (REPORT_HOST_EPOCH, REPORT_HOST_VALUE),
+                          "device": (REPORT_DEVICE_EPOCH, REPORT_DEVICE_VALUE)}[side]
+    first = (done.bounds.report - ring.base) // 8
+    ring.words[first + value_at // 8] = value
+    ring.words[first + epoch_at // 8] = epoch
+
+
+SIDES = [("device", "device_indices", 40), ("host", "host_indices", 96)]
+
+
+@pytest.mark.parametrize("side,name,size", SIDES)
+def test_a_later_transfers_report_over_an_earlier_ones_fails_the_earlier_transfer(
+        side: str, name: str, size: int) -> None:
+    from kvcore.errors import InvalidIndices, TransferFailed
+
+    ring, earlier, later = _sharing_a_slot(Op.WRITE_BACK)
+    _store(ring, earlier, side, earlier.bounds.epoch, size + 3)  # the earlier one refused,
+    _store(ring, later, side, later.bounds.epoch, size + 9)  # the later one stored over it
+    with pytest.raises(TransferFailed) as info:
+        earlier.check()  # not passed: its refusal was overwritten
+    message = str(info.value)
+    assert not isinstance(info.value, InvalidIndices)
+    assert name in message
+    assert f"epoch {earlier.bounds.epoch})" in message
+    assert f"later transfer (epoch {later.bounds.epoch})" in message
+    assert "unknown" in message and "write_back" in message
+    with pytest.raises(InvalidIndices, match=rf"{name}.*\[0, {size}\).*{size + 9}.*refused"):
+        later.check()  # its own report
+
+
+@pytest.mark.parametrize("side,name,size", SIDES)
+def test_an_older_transfers_report_in_the_slot_passes_the_newer_transfer(
+        side: str, name: str, size: int) -> None:
+    ring, earlier, later = _sharing_a_slot(Op.LOAD_ALL)
+    _store(ring, earlier, side, earlier.bounds.epoch, size + 3)
+    later.check()  # a stale report, not this transfer's
+
+
+def test_a_transfers_own_report_is_raised_before_a_later_ones_on_the_other_side() -> None:
+    from kvcore.errors import InvalidIndices
+
+    ring, earlier, later = _sharing_a_slot(Op.LOAD_LAYER)
+    _store(ring, earlier, "device", earlier.bounds.epoch, 77)
+    _store(ring, later, "host", later.bounds.epoch, 200)
+    with pytest.raises(InvalidIndices, match=r"device_indices.*\[0, 40\).*77.*refused"):
+        earlier.check()  # a refusal known to be its own
+    with pytest.raises(InvalidIndices, match=r"host_indices.*\[0, 96\).*200.*refused"):
+        later.check()
