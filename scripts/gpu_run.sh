@@ -13,7 +13,9 @@
 # The seed bench stops starting cases SEED_MARGIN_S (default 60) before the deadline; the
 # pure-torch reference is slow: SEED_REFERENCE_REPEAT=1 times its rows by their oracle call
 # alone (then the whole table with the reference took 457 s on an H200).
-# write_variant: scripts/probe_write_variant.py (controller writes, staged vs direct).
+# write_variant: scripts/probe_write_variant.py (controller writes: staged, direct, handed).
+# thread_failure: tests/gpu/test_library_thread_failure.py, then its scenario on the library
+# with tests/gpu/job_status_fix.patch reverted, which must fail (needs cc and patch).
 # publish: scripts/probe_signaled_publish.py (variants of the signaled load's end of layer).
 # write_modes: the controller rows once per KVCORE_ASYNC_WRITE_BACK mode in WRITE_MODES.
 # profile: py-spy samples of write()/load() loops (PROFILE_CASES op:pages; .whl/ must carry
@@ -117,6 +119,26 @@ write_modes)  # the controller's rows once per write-back issue mode (KVCORE_ASY
     for mode in ${WRITE_MODES:-0 1}; do
         KVCORE_ASYNC_WRITE_BACK=$mode step "bench_controller_mode_$mode" ${CONTROLLER_S:-400} "${KVIO[@]}" bench --through controller --backend cuda --layout ${CONTROLLER_LAYOUTS:-page_first} --markdown "$R/bench_controller_mode_$mode.md" --json "$R/bench_controller_mode_$mode.json"
     done
+    ;;
+thread_failure)  # a library-thread write-back failed part way (LD_PRELOAD shim): the test passes on
+    # this library; the same scenario with kvio_cuda's job-status fix reverted must fail (rc 1)
+    step thread_failure 120 $PY -m pytest -q -rs tests/gpu/test_library_thread_failure.py
+    cu=plugins/kvio_cuda/kvio_cuda/csrc/kvio_cuda.cu
+    cp "$cu" /tmp/kvio_cuda_kept.cu
+    if cc -O2 -shared -fPIC -o /tmp/fault_shim.so tests/gpu/fault_shim.c -ldl -lpthread \
+            && patch -s -p1 -R < tests/gpu/job_status_fix.patch; then
+        step build_fix_reverted 150 "${KVIO[@]}" build
+        keep=$status
+        step thread_failure_fix_reverted 60 env LD_PRELOAD=/tmp/fault_shim.so $PY tests/gpu/thread_failure_scenario.py
+        if grep -q "copies enqueued before it were still queued" "$R/thread_failure_fix_reverted.log"; then
+            status=$keep; echo "=== thread_failure_fix_reverted: failed, as it must" | tee -a "$R/summary.log"
+        else
+            status=1; echo "=== thread_failure_fix_reverted: did NOT fail the reverted library" | tee -a "$R/summary.log"
+        fi
+    else
+        echo "=== thread_failure: no cc or the patch does not apply" | tee -a "$R/summary.log"; status=1
+    fi
+    cp /tmp/kvio_cuda_kept.cu "$cu"
     ;;
 write_variant)  # controller write-backs, staged against the direct kernel (probe_write_variant.py)
     step probe_write_variant ${WRITE_VARIANT_S:-300} $PY scripts/probe_write_variant.py
