@@ -619,24 +619,23 @@ def issue_layers_across(plans: list[BoundPlan], h: torch.Tensor, d: torch.Tensor
         stream = current_stream(first.device)
     if after is not None:  # the layers read device pages `after` may still write
         first._fence.order(stream, after)
-    placed: list[tuple[OpSupport, torch.Tensor, torch.Tensor, list[int]]] = []
+    # each plan's ring segments, sealed even where placing or issuing fails part way
+    segments: list[list[int]] = [[] for _ in plans]
+    placed: list[tuple[OpSupport, torch.Tensor, torch.Tensor]] = []
     subs: list[Submission] = []
     try:
-        for plan in plans:
+        for plan, taken in zip(plans, segments, strict=True):
             support = plan._routes[(h.is_cpu, d.is_cpu)]
-            segments: list[int] = []
-            placed.append((support, h, d, segments))  # (sealed even if placing fails)
             hp, dp, _ = plan._placed(support, h, d, *plan._fit(support, h, d), stream, None,
-                                     segments, False)
-            placed[-1] = (support, hp, dp, segments)
+                                     taken, False)
+            placed.append((support, hp, dp))
         for layer in range(first.num_layers):
-            for i, plan in enumerate(plans):
-                support, hp, dp, _ = placed[i]
+            for i, (plan, (support, hp, dp)) in enumerate(zip(plans, placed, strict=True)):
                 subs.append(plan._enqueue(support, hp, dp, layer, stream, layer + i > 0))
     finally:  # every slot is read until the last layer (or, failing, what was enqueued)
         last = subs[-1] if subs else None
-        for plan, (_, _, _, segments) in zip(plans, placed, strict=False):
-            plan._seal(segments, last, stream)
+        for plan, taken in zip(plans, segments, strict=True):
+            plan._seal(taken, last, stream)
     return subs
 
 
