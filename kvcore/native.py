@@ -263,6 +263,22 @@ class NativeBackend:
             return self._dma_runner(job, dma, host_base, layout)
         if op is Op.LOAD_LAYER and variant in (self.STAGED, self.DMA):
             return job_runner(self.run, job)  # refused, or one copy-engine call per layer
+        run_direct = self._direct_runner(job, k_ptrs, v_ptrs, host_base, layout)
+        if not (op is Op.LOAD_LAYER and job.support.layer_signals):
+            return run_direct
+        return self._signaled_runner(job, run_direct, k_ptrs, v_ptrs, host_base, layout)
+
+    def _direct_runner(self, job: TransferJob, k_ptrs: int | None, v_ptrs: int | None,
+                       host_base: int | None, layout: KvioLayout) -> Runner:
+        """The direct kernel's runner for jobs like ``job`` (one launch for every layer, or
+        for one): ``kvio_transfer_direct``, its chained form, or its inline form for host
+        indices on the CPU, as many as ``inline_host_tokens`` (an attribute of the runner where
+        the library has the inline form; more are refused before any call)."""
+        unchecked = self.lib.unchecked  # type: ignore[attr-defined]
+        op, pool = job.op, job.device_pool
+        num_layers = job.host_geometry.num_layers
+        issue, raw, int64 = self._reports().issue, self.stream_handle, torch.int64
+        host_tokens, device_tokens = job.host_geometry.size, pool.size
         direction = DEVICE_TO_HOST if op is Op.WRITE_BACK else HOST_TO_DEVICE
         plain = unchecked("kvio_transfer_direct")
         chained_fn = self.optional_unchecked("kvio_transfer_direct_chained") or plain
@@ -293,8 +309,22 @@ class NativeBackend:
         if inline_fn is not None:
             run_direct.inline_host_tokens = (  # type: ignore[attr-defined]
                 inline_one if op is Op.LOAD_LAYER else inline_all)  # (a layer per call)
-        if not (op is Op.LOAD_LAYER and job.support.layer_signals):
-            return run_direct
+        return run_direct
+
+    def _signaled_runner(self, job: TransferJob, run_direct: Runner, k_ptrs: int | None,
+                         v_ptrs: int | None, host_base: int | None,
+                         layout: KvioLayout) -> Runner:
+        """The signaled per-layer load's runner: every layer in one launch, each raising its
+        ready flag (one layer at a time: ``run_direct``; without the library's signals: one
+        launch per layer)."""
+        op, pool = job.op, job.device_pool
+        num_layers = job.host_geometry.num_layers
+        issue, raw, int64 = self._reports().issue, self.stream_handle, torch.int64
+        host_tokens, device_tokens = job.host_geometry.size, pool.size
+        off_cpu = pool.device.type != "cpu"
+        inline_fn = self.optional_unchecked("kvio_transfer_direct_inline") if off_cpu else None
+        layer_bytes = layout.chunk_bytes * layout.num_chunks * (2 if v_ptrs else 1)
+        inline_one = inline_index_limit(layout.page_size, layer_bytes)
         by_layer = job_runner(self.run, job)
         signaled = self.optional_unchecked("kvio_load_layers_signaled")
         inline = self.optional_unchecked("kvio_load_layers_signaled_inline") \
@@ -382,9 +412,11 @@ class NativeBackend:
         the thread for the runtime calls); a smaller one is issued here through
         ``kvio_write_back_staged_after`` where the library has it (its host copy overlaps the
         next write-back's gather), else after a fence through ``run_staged``. Either returns
-        a :class:`NativeJob` that tells its completion. Without ``after`` (the plan API: the
-        transfer must be on ``stream`` in stream order when the submit returns)
-        ``run_staged`` (the synchronous runner) enqueues it."""
+        a :class:`NativeJob` that tells its completion. One under
+        :data:`DIRECT_WRITE_BACK_MAX_BYTES` goes, after a fence, through the direct kernel
+        with its host indices in the launch, where the library has that form and they fit it.
+        Without ``after`` (the plan API: the transfer must be on ``stream`` in stream order
+        when the submit returns) ``run_staged`` (the synchronous runner) enqueues it."""
         lib = self.lib
         unchecked = lib.unchecked  # type: ignore[attr-defined]
         handed = unchecked("kvio_write_back_staged_async")
@@ -398,12 +430,21 @@ class NativeBackend:
         token_bytes = (2 if pool.v_ptrs is not None else 1) * num_layers * pool.element_bytes
         handed_from = -(-ASYNC_WRITE_BACK_MIN_BYTES // token_bytes)  # tokens
         fence = Fence(self.device)
+        run_direct, direct_below = run_staged, 0  # tokens
+        if pool.device.type != "cpu" and "kvio_transfer_direct_inline" in getattr(
+                lib, "optional", ()):
+            run_direct = self._direct_runner(job, k_ptrs, v_ptrs, host_base, layout)
+            direct_below = min(-(-DIRECT_WRITE_BACK_MAX_BYTES // token_bytes),
+                               run_direct.inline_host_tokens + 1)  # type: ignore[attr-defined]
 
         def run_staged_async(h: torch.Tensor, d: torch.Tensor, layer: int | None,
                              stream: Any, chained: bool,
                              after: Any = None) -> NativeJob | BoundsCompletion:
             if after is None:
                 return run_staged(h, d, layer, stream, chained)
+            if h.numel() < direct_below:
+                fence.order(stream, after)
+                return run_direct(h, d, layer, stream, chained)
             if h.numel() >= handed_from:
                 call, function = handed, "kvio_write_back_staged_async"
             elif overlapped is not None:
@@ -715,7 +756,8 @@ class BoundsCompletion:
 WRITE_BACK_MODES = {
     "0": "every write-back by the caller, in stream order (kvio_write_back_staged)",
     "1": "from ASYNC_WRITE_BACK_MIN_BYTES by the library's thread, smaller by the caller with "
-         "its host copy overlapping the next one's gather (the default)",
+         "its host copy overlapping the next one's gather, under DIRECT_WRITE_BACK_MAX_BYTES "
+         "through the direct kernel (the default)",
 }
 
 
@@ -737,6 +779,14 @@ def _mode(variable: str, modes: dict[str, str], default: str) -> str:
 #: library's thread (``kvio_write_back_staged_async``): from here on its issue takes dozens
 #: of runtime calls (a pipeline of chunks), below it a few, which are cheaper than a handover
 ASYNC_WRITE_BACK_MIN_BYTES = 16 << 20
+
+#: a staged write-back through the controller smaller than this goes through the direct kernel
+#: instead (SM stores into pinned memory, the host indices in its launch). The staged path's
+#: runtime calls cost a slow host's caller more than such a copy takes: a one-page MLA write
+#: (2.25 MiB) ran at 0.69-0.80 of the ceiling there, CPU-bound, where the direct kernel holds
+#: 0.93 (docs/benchmarks/h100-2026-12-06g). From 4 MiB (MHA's 8 MiB page) the copy outlasts
+#: the calls and the staged path's higher bandwidth wins.
+DIRECT_WRITE_BACK_MAX_BYTES = 4 << 20
 
 #: pages (per K/V, over all layers) at least this large go through the staged write-back
 #: (and the staged all-layer load, where declared)

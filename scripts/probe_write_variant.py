@@ -1,8 +1,9 @@
 """Whether small write-backs of contiguous host pages should skip the staging hop: the same
-queues of controller ``write()`` calls (kvio bench's controller rows, page_first) with the
-shipped choice (``staged``: a device gather, then copies of whole pages, from 64-KiB pages),
-with the ``direct`` kernel forced (one kernel storing into pinned host memory, the host
-indices in its launch) and with every staged write-back ``handed`` to the library's thread
+queues of controller ``write()`` calls (kvio bench's controller rows, page_first) as shipped
+(``shipped``: under DIRECT_WRITE_BACK_MAX_BYTES the direct kernel, above it the staged
+variant), with every write-back ``staged`` (a device gather, then copies of whole pages), with
+the ``direct`` kernel forced (one kernel storing into pinned host memory, the host indices in
+its launch) and with every staged write-back ``handed`` to the library's thread
 (``kvio_write_back_staged_async`` from the first byte: the caller pays the checks and the
 handover, the thread the runtime calls).
 
@@ -45,12 +46,15 @@ def main() -> None:
     from kvcore.registry import REFERENCE, default_registry, reset_default_registry
 
     shipped_min = kvcore.native.ASYNC_WRITE_BACK_MIN_BYTES
-    variants = sys.argv[1:] or ["staged", "direct", "handed", "staged", "direct", "handed"]
+    shipped_direct = kvcore.native.DIRECT_WRITE_BACK_MAX_BYTES
+    variants = sys.argv[1:] or ["shipped", "staged", "direct", "handed"] * 2
     print("| variant | kind | pages | MiB | ratio | ms/call | ceiling ms | CPU us |")
     print("|---|---|---|---|---|---|---|---|", flush=True)
     for variant in variants:
         importlib.reload(sys.modules["kvio_cuda"])  # the shipped capabilities again
         kvcore.native.ASYNC_WRITE_BACK_MIN_BYTES = 1 if variant == "handed" else shipped_min
+        kvcore.native.DIRECT_WRITE_BACK_MAX_BYTES = (shipped_direct if variant == "shipped"
+                                                     else 0)
         if variant == "direct":
             force_direct()
         reset_default_registry()

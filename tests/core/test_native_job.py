@@ -247,6 +247,77 @@ def test_a_small_write_back_goes_through_the_overlapped_call_where_the_library_h
         small.check()
 
 
+class DirectLibrary(JobLibrary):
+    """JobLibrary with the staged write-back's overlapped form and the direct kernel's inline
+    form; the direct calls are recorded with their function's name."""
+
+    optional = ("kvio_write_back_staged_async", "kvio_write_back_staged_after",
+                "kvio_transfer_direct_inline")
+
+    def unchecked(self, function: str, last: Any = None) -> Any:
+        if function in ("kvio_transfer_direct", "kvio_transfer_direct_inline"):
+            return lambda *args: self.handed.append((function, *args))
+        return super().unchecked(function, last)
+
+
+class NullStreamsNative(NativeBackend):
+    def raw_stream(self, stream: Any) -> int:
+        return int(stream.native_handle)
+
+
+def test_a_write_back_under_the_direct_size_goes_through_the_direct_kernel_after_a_fence(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under DIRECT_WRITE_BACK_MAX_BYTES, where the library launches the direct kernel with
+    CPU host indices, a controller write-back (``after`` given) is ordered after the caller's
+    stream by a fence and goes through kvio_transfer_direct_inline with its host indices;
+    from that size on, the staged path as before, and the plan API (no ``after``) keeps the
+    staged write-back whatever the size."""
+    import collections
+
+    from kvcore.backend import TransferJob
+    from kvcore.layout import Geometry, Kind, Layout, host_shape
+    from kvcore.native import BoundsCompletion, native_ops
+    from kvcore.testing.stand_in_streams import NullStream, stand_in_streams
+
+    token_bytes = 2 * 3 * 2 * 64 * 2  # K and V, 3 layers, 2 heads x 64 bf16
+    monkeypatch.setattr("kvcore.native.ASYNC_WRITE_BACK_MIN_BYTES", 64 * token_bytes)
+    monkeypatch.setattr("kvcore.native.DIRECT_WRITE_BACK_MAX_BYTES", 16 * token_bytes)
+    calls: collections.Counter[str] = collections.Counter()
+    meta = torch.device("meta")
+    with stand_in_streams(meta.type, calls):
+        lib = DirectLibrary()
+        backend = NullStreamsNative(meta, lib, staging_bytes=1 << 20)  # type: ignore[arg-type]
+        dev = DevicePool.allocate("mha", 3, 64, 2, 64, torch.bfloat16, meta, 16)
+        g = Geometry(Kind.MHA, Layout.PAGE_FIRST, 3, 64, 2, 64, 16)
+        host = HostPool.wrap(torch.empty(host_shape(g), dtype=torch.bfloat16), "mha",
+                             "page_first", 3, 2, 64, 16)
+        support = next(s for s in native_ops()
+                       if s.op is Op.WRITE_BACK and s.variant == "staged")
+        none = torch.empty(0, dtype=torch.int64)
+        run = backend.prepare(TransferJob(
+            op=Op.WRITE_BACK, support=support, device_pool=dev, host_buffer=host.buffer,
+            host_geometry=host.geometry, host_strides=host.strides, host_indices=none,
+            device_indices=none))
+        stream, caller = NullStream(meta, calls), NullStream(meta, calls)
+        h = torch.arange(16, 31)
+        small = run(h, torch.arange(15, device=meta), None, stream, False, caller)
+        assert (calls["event.record"], calls["stream.wait_event"]) == (1, 1)  # the fence
+        assert isinstance(small, BoundsCompletion)
+        (name, direction, _k, _v, first, count, base, _layout, hp, h64, _dp, d64, n, s,
+         bounds) = lib.handed[0]
+        assert (name, direction, first, count, n, s) == (
+            "kvio_transfer_direct_inline", 0, 0, 3, 15, stream.native_handle)
+        assert (hp, h64, d64, base) == (h.data_ptr(), 1, 1, host.buffer.data_ptr() or None)
+        assert isinstance(bounds, KvioBounds) and bounds.host_tokens == 64
+        at_size = run(torch.arange(16), torch.arange(16, device=meta), None, stream, False,
+                      caller)
+        plan_api = run(h, torch.arange(15, device=meta), None, stream, False)
+    assert isinstance(at_size, NativeJob) and not isinstance(plan_api, NativeJob)
+    assert [args[0] for args in lib.handed] == [
+        "kvio_transfer_direct_inline", "kvio_write_back_staged_after", "synchronous"]
+    assert calls["stream.wait_event"] == 1  # the staged forms order themselves
+
+
 @pytest.mark.parametrize("value", ["2", "yes", "inline", "off"])
 def test_an_unknown_write_back_mode_is_refused_naming_the_variable(
         monkeypatch: pytest.MonkeyPatch, value: str) -> None:

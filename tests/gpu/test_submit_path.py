@@ -64,11 +64,14 @@ def gen() -> torch.Generator:
     return torch.Generator().manual_seed(20261204)
 
 
-@pytest.fixture(params=["caller", "thread"])
+@pytest.fixture(params=["caller", "thread", "direct"])
 def handover(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Staged write-backs issued on the caller's thread, or all handed to the library's."""
+    """Staged write-backs issued on the caller's thread, all handed to the library's, or all
+    sent to the direct kernel (the controller's form for small ones)."""
     monkeypatch.setattr("kvcore.native.ASYNC_WRITE_BACK_MIN_BYTES",
                         1 if request.param == "thread" else 1 << 62)
+    monkeypatch.setattr("kvcore.native.DIRECT_WRITE_BACK_MAX_BYTES",
+                        1 << 62 if request.param == "direct" else 0)
     return str(request.param)
 
 
@@ -289,14 +292,18 @@ def test_back_to_back_write_backs_of_mixed_sizes_each_land_whole(
     """Small write-backs overlap: the next one gathers into the other half of the staging
     buffer while the previous one's host copy runs on the buffer's copy stream. Queued back to
     back between write-backs that the library's thread issues through the same buffer (one
-    of them pipelined through all of it), each must land whole where its ack says."""
+    of them pipelined through all of it) and one-page ones the direct kernel stores, each
+    must land whole where its ack says."""
     page_bytes = 2 * LAYERS * 64 * HEADS * HEAD_DIM * 2  # K and V of one page: 1 MiB
     monkeypatch.setattr("kvcore.native.ASYNC_WRITE_BACK_MIN_BYTES", 4 * page_bytes)
+    monkeypatch.setattr("kvcore.native.DIRECT_WRITE_BACK_MAX_BYTES", 2 * page_bytes)
     dev, host = _pools(Kind.MHA, Layout.PAGE_FIRST, 64, gen)
     ctl = HiCacheController(dev, host)
     source = [t.clone() for t in dev.all_buffers()]
     order = torch.randperm(DEVICE_PAGES, generator=gen)
-    sizes = [1, 2, 1, 16, 1, 3]  # 16 pages: 16 MiB, pipelined by the thread
+    # 1 page: the direct kernel; 2 and 3: staged by the caller, overlapped; 16 pages (16 MiB):
+    # pipelined by the thread
+    sizes = [1, 2, 1, 16, 1, 3]
     assert sum(sizes) == DEVICE_PAGES
     starts = [sum(sizes[:i]) for i in range(len(sizes))]
     torch.cuda.synchronize()

@@ -39,6 +39,7 @@ def scenario() -> tuple[int, str]:
     except AttributeError:
         return 2, "fault_shim.so is not preloaded (LD_PRELOAD)"
     kvcore.native.ASYNC_WRITE_BACK_MIN_BYTES = 1  # every write-back goes to the thread
+    kvcore.native.DIRECT_WRITE_BACK_MAX_BYTES = 0  # (none to the direct kernel)
     device = torch.device("cuda", torch.cuda.current_device())
     gen = torch.Generator().manual_seed(20261206)
     dev = DevicePool.allocate("mha", LAYERS, 4 * PAGES * PAGE, HEADS, DIM, torch.bfloat16,
