@@ -322,7 +322,7 @@ class NativeBackend:
         issue, raw, int64 = self._reports().issue, self.stream_handle, torch.int64
         host_tokens, device_tokens = job.host_geometry.size, pool.size
         off_cpu = pool.device.type != "cpu"
-        inline_fn = self.optional_unchecked("kvio_transfer_direct_inline") if off_cpu else None
+        direct_inline = hasattr(run_direct, "inline_host_tokens")  # the library's inline form
         layer_bytes = layout.chunk_bytes * layout.num_chunks * (2 if v_ptrs else 1)
         inline_one = inline_index_limit(layout.page_size, layer_bytes)
         by_layer = job_runner(self.run, job)
@@ -363,7 +363,7 @@ class NativeBackend:
                        done.bounds)
             return NativeLayerSignals(self, buf, epoch, done, group, num_layers)
 
-        if inline is not None and inline_fn is not None and self._layer_signals():
+        if inline is not None and direct_inline and self._layer_signals():
             run_signaled.inline_host_tokens = inline_one  # type: ignore[attr-defined]
         return run_signaled
 
