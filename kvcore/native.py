@@ -479,7 +479,7 @@ class NativeBackend:
 
     def _reports(self) -> ReportRing:
         if self._report_ring is None:
-            self._report_ring = ReportRing(self.device)
+            self._report_ring = ReportRing.of(self.device)
         return self._report_ring
 
     def _load_signaled(self, job: TransferJob, k_ptrs: int, v_ptrs: int, host_base: int,
@@ -669,8 +669,8 @@ class ReportRing:
     own as its own failure, a smaller one as an older transfer's report (so a stale report
     never fails a later transfer), and a greater one as a later transfer's report that may
     have overwritten its own: its outcome is unknown and it fails (:class:`BoundsCompletion`).
-    ``SLOTS`` (65536 slots, 2 MiB, allocated once per backend) makes that take 65536 transfers
-    issued between a transfer's issue and its check.
+    ``SLOTS`` (65536 slots, 2 MiB, allocated once per device and process: :meth:`of`) makes
+    that take 65536 transfers issued between a transfer's issue and its check.
 
     One case is left: a transfer's kernel that runs after a later transfer of its slot stored
     a report (its stream stalled while 65536 more transfers were issued) stores its own epoch
@@ -690,6 +690,16 @@ class ReportRing:
         self.base = self.memory.data_ptr()
         self._epochs = itertools.count(1)  # next() is atomic under the GIL
 
+    @classmethod
+    def of(cls, device: torch.device) -> ReportRing:
+        """The ring of ``device`` that every backend of this process shares (epochs stay
+        unique across them; a backend's own ring pinned 2 MiB each time a registry was made)."""
+        with _RINGS_LOCK:
+            ring = _RINGS.get(device)
+            if ring is None:
+                ring = _RINGS[device] = cls(device)
+            return ring
+
     def completion(self, job: TransferJob) -> BoundsCompletion:
         return self.issue(job.host_geometry.size, job.device_pool.size, job.op)
 
@@ -700,6 +710,9 @@ class ReportRing:
         bounds = KvioBounds(host_tokens, device_tokens, self.base + slot * REPORT_BYTES, epoch)
         return BoundsCompletion(self.words, slot * (REPORT_BYTES // 8), bounds, op)
 
+
+_RINGS: dict[torch.device, ReportRing] = {}
+_RINGS_LOCK = threading.Lock()
 
 #: the words of a report's epochs (the words are signed; epochs stay below 2**63)
 _HOST_EPOCH_WORD = REPORT_HOST_EPOCH // 8

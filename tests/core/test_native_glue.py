@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import types
 from typing import Any
 
 import pytest
@@ -705,6 +706,22 @@ def test_a_completion_raises_the_report_of_its_own_transfer_only(field: str, nam
     with pytest.raises(InvalidIndices, match=rf"{name}.*\[0, {size}\).*{size + 7}.*refused"):
         done.check()
     neighbour.check()  # the next slot's transfer is untouched
+
+
+def test_backends_of_one_device_share_its_report_ring_and_never_an_epoch() -> None:
+    """Every backend of a device issues its transfers' reports from one ring: a registry made
+    again pins no new ring, and two backends' transfers never get the same epoch (a report
+    of one would read as the other's)."""
+    from kvcore.native import ReportRing
+
+    cpu, meta = torch.device("cpu"), torch.device("meta")
+    lib = types.SimpleNamespace(wait_layer_signal=None)  # no optional functions
+    first, second = (NativeBackend(cpu, lib) for _ in range(2))  # type: ignore[arg-type]
+    assert first._reports() is second._reports() is ReportRing.of(cpu)
+    assert ReportRing.of(meta) is not ReportRing.of(cpu)
+    epochs = [b._reports().issue(96, 40, Op.WRITE_BACK).bounds.epoch
+              for b in (first, second, first, second)]
+    assert len(set(epochs)) == 4 and epochs == sorted(epochs)
 
 
 def _sharing_a_slot(op: Op) -> tuple[Any, Any, Any]:
