@@ -80,11 +80,15 @@ def test_what_each_controller_call_asks_of_the_runtime() -> None:
     # 128 MiB: handed to the library's thread, which records the caller's point itself
     assert rows[("mha", "page_first", "16")][0] == (
         "kvio_write_back_staged_async 1, stream.current 1")
-    # layer_first: the direct kernel's write-back, its host indices in the launch
+    # layer_first: the direct kernel's write-back, its host indices in the launch; from
+    # page_first too under DIRECT_WRITE_BACK_MAX_BYTES (one MLA page, 2.25 MiB), fenced here
+    direct = ("event.record 2, kvio_transfer_direct_inline 1, stream.current 1, "
+              "stream.wait_event 1")
     for pages in ("1", "16"):
-        assert rows[("mha", "layer_first", pages)][0] == (
-            "event.record 2, kvio_transfer_direct_inline 1, stream.current 1, "
-            "stream.wait_event 1")
+        assert rows[("mha", "layer_first", pages)][0] == direct
+    assert rows[("mla", "page_first", "1")][0] == direct
+    assert rows[("mla", "page_first", "16")][0] == (  # 36 MiB
+        "kvio_write_back_staged_async 1, stream.current 1")
     assert all(r[1] == inline and r[2] == WAITS for r in rows.values())
 
 
