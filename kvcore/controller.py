@@ -134,6 +134,9 @@ class HiCacheController:
                     m.device.element_bytes, m.device.device), backend)
                 self.plans[(i, op)] = plan
                 self.bound[(i, op)] = plan.bind(m.device, m.host)
+        # member 0's plans of each call, looked up without hashing an Op (a Python call)
+        self._write_plan = self.bound[(0, Op.WRITE_BACK)]
+        self._load_plans = (self.bound[(0, Op.LOAD_LAYER)], self.bound[(0, Op.LOAD_ALL)])
         self.allocator = host_pool.allocator
         self.process_group = process_group
         if verify:
@@ -224,7 +227,7 @@ class HiCacheController:
             values = None
             if host_indices is not None:
                 h = host_indices
-                self.bound[(0, Op.WRITE_BACK)].check(h, d)
+                self._write_plan.check(h, d)
                 self._check_allocated(h)
             else:
                 try:
@@ -232,16 +235,19 @@ class HiCacheController:
                 except AllocatorError:
                     # a mistake in the call is named before a full pool (freeing pages would
                     # only lead to it): the device indices against slots that need no check
-                    self.bound[(0, Op.WRITE_BACK)].check(
+                    self._write_plan.check(
                         torch.zeros(d.numel(), dtype=torch.int64), d, host_trusted=True)
                     raise
-                try:
-                    self.bound[(0, Op.WRITE_BACK)].check(h, d, host_trusted=True)
+                try:  # (our own host indices need no check: device ones on the CPU do)
+                    if d.is_cpu:
+                        self._write_plan.check(h, d, host_trusted=True)
+                    else:
+                        self._write_plan.check_where("device_indices", d)
                 except BaseException:
                     self.allocator.free(h)
                     raise
             try:
-                subs = self._submit(Op.WRITE_BACK, self.write_stream, h, d)
+                subs = self._submit(self._write_plan, self.write_stream, h, d)
             except BaseException as exc:
                 if owns:
                     # an earlier pool-group member's copy may still be writing these slots
@@ -313,18 +319,17 @@ class HiCacheController:
             self._health.check()
             if type(all_layers) is not bool:
                 raise InvalidArgument("all_layers", "a bool", repr(all_layers))
-            op = Op.LOAD_ALL if all_layers else Op.LOAD_LAYER
             issued = host_indices in self._issued
             # made by the allocator before another tensor freed pages: its values hold, but
             # its pages are checked (they may have been freed and handed to a later ack, so
             # it is never vouched for again: a free through it could free that ack's pages)
             before = not issued and host_indices in self._issued_before
-            h, d = self.bound[(0, op)].check(host_indices, device_indices,
-                                             host_trusted=issued or before)
+            first = self._load_plans[all_layers]
+            h, d = first.check(host_indices, device_indices, host_trusted=issued or before)
             if not issued:
                 self._check_allocated(h)
             try:
-                subs = self._submit(op, self.load_stream, h, d)
+                subs = self._submit(first, self.load_stream, h, d)
             except BaseException as exc:
                 raise self._failure("load", exc) from exc
             return LoadHandle(subs, self.members[0].host.geometry.num_layers, self.device,
@@ -342,11 +347,13 @@ class HiCacheController:
                                      "allocator", f"{self.allocator.describe_page(page)}, "
                                      "which is free")
 
-    def _submit(self, op: Op, stream: Any, h: torch.Tensor, d: torch.Tensor,
+    def _submit(self, first: BoundPlan, stream: Any, h: torch.Tensor, d: torch.Tensor,
                 ) -> list[Submission]:
-        """Submit ``op`` for every pool-group member on ``stream``, ordered after the
-        caller's stream (indices already checked). Each member's bound plan decides how
-        its layers go (one job, layer by layer, or signaled)."""
+        """Submit the op of ``first`` (member 0's plan) for every pool-group member on
+        ``stream``, ordered after the caller's stream (indices already checked). Each
+        member's bound plan decides how its layers go (one job, layer by layer, or
+        signaled)."""
+        op = first.op
         caller = None
         if stream is not None:
             caller = current_stream(self.device)
@@ -358,8 +365,10 @@ class HiCacheController:
                 for t in (h, d):
                     if not t.is_cpu:
                         t.record_stream(stream)
+        if len(self.members) == 1:
+            return [first._issue(h, d, None, stream, after=caller)]
         members = range(len(self.members))
-        if op is not Op.LOAD_LAYER or len(self.members) == 1:
+        if op is not Op.LOAD_LAYER:
             # each member's submit orders its transfer after the caller's stream (after its
             # index upload; a transfer a library thread issues records the point itself)
             subs: list[Submission] = []

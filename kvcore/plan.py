@@ -38,7 +38,7 @@ from kvcore.errors import (
     TensorMismatch,
 )
 from kvcore.layout import Kind, Layout, Op, page_block_contiguous, page_contiguous
-from kvcore.placement import IndexRing, fits, place, stream_key
+from kvcore.placement import IndexRing, place, stream_key
 from kvcore.pools import DevicePool, HostPool
 from kvcore.signals import ENDS_WITH, WAIT_CURRENT
 from kvcore.streams import Fence, current_stream, has_streams, on_stream, recorded_event
@@ -228,6 +228,40 @@ class Submission:
                 c.check()
 
 
+class _Lane:
+    """What a bound plan's submit looks up for one route (host and device indices each on the
+    CPU or not): the variant that runs, its runner, whether that runner ``follows`` the
+    caller's stream itself, and its IndexSpecs' facts for :meth:`fit`."""
+
+    __slots__ = ("d_dtypes", "d_where", "follows", "h_dtypes", "h_where", "key", "run",
+                 "support")
+
+    def __init__(self, support: OpSupport, h_cpu: bool, d_cpu: bool,
+                 runners: dict[int, Any], op: Op) -> None:
+        self.support = support
+        self.key = id(support)
+        self.run = runners[self.key]
+        # a write-back or all-layer runner that orders its transfer after the caller's stream
+        # (it takes ``after``)
+        self.follows = bool(getattr(self.run, "follows", False)) and op is not Op.LOAD_LAYER
+        self.h_dtypes = frozenset(support.host_index.dtypes)
+        self.d_dtypes = frozenset(support.device_index.dtypes)
+        # whether a tensor on this route is where its spec wants it
+        self.h_where = h_cpu is (support.host_index.residency is Residency.HOST)
+        self.d_where = d_cpu is (support.device_index.residency is Residency.HOST)
+
+    def fit(self, h: torch.Tensor, d: torch.Tensor, inline_host: int) -> tuple[bool, bool]:
+        """:func:`~kvcore.placement.fits` of both tensors of a submit on this route, for
+        tensors each on the CPU or the plan's device (a checked submit's), so where one is
+        is known from the route; and host indices count as placed where they are contiguous
+        CPU ones the runner takes in its launch (at most ``inline_host``)."""
+        h_placed = self.h_where and h.dtype in self.h_dtypes and h.is_contiguous()
+        if not h_placed and inline_host and h.is_cpu and h.numel() <= inline_host \
+                and h.is_contiguous():
+            h_placed = True  # the runner copies them into its launch: nothing to upload
+        return h_placed, self.d_where and d.dtype in self.d_dtypes and d.is_contiguous()
+
+
 class BoundPlan:
     """A :class:`~kvcore.plan.TransferPlan` bound to ``device_pool`` and ``host_pool``.
 
@@ -272,6 +306,12 @@ class BoundPlan:
         # (host indices on the CPU, device indices on the CPU) -> the variant that runs
         self._routes = {(h_cpu, d_cpu): self._route(h_cpu, d_cpu)
                         for h_cpu in (True, False) for d_cpu in (True, False)}
+        # the same, as [h_cpu][d_cpu] -> what a submit on that route looks up
+        self._lanes = tuple(tuple(_Lane(self._routes[(bool(h_cpu), bool(d_cpu))],
+                                        bool(h_cpu), bool(d_cpu), self._runners, self.op)
+                                  for d_cpu in (0, 1)) for h_cpu in (0, 1))
+        self._whole = self.op is not Op.LOAD_LAYER  # every layer in one job
+        self._load_all = self.op is Op.LOAD_ALL
         self._ring = IndexRing(self.device, upload=getattr(self.backend, "upload_indices",
                                                            None)) \
             if has_streams(self.device) else None
@@ -335,14 +375,22 @@ class BoundPlan:
         ctx = self._context
         h = check_index_tensor("host_indices", host_indices, ctx)
         d = check_index_tensor("device_indices", device_indices, ctx)
-        for name, t in (("host_indices", h), ("device_indices", d)):
-            if not t.is_cpu and t.device != self.device:
-                where = "cpu" if self.device.type == "cpu" else f"cpu or {self.device}"
-                raise TensorMismatch(name, f"a tensor on {where}", describe_tensor(t), ctx)
+        if not h.is_cpu:
+            self.check_where("host_indices", h)
+        if not d.is_cpu:
+            self.check_where("device_indices", d)
         if h.numel() != d.numel():
             raise InvalidIndices("device_indices", f"{h.numel()} entries (as many as "
                                   "host_indices)", f"{d.numel()}", ctx)
         return h, d
+
+    def check_where(self, name: str, t: torch.Tensor) -> None:
+        """TensorMismatch naming ``name`` unless index tensor ``t`` is on the CPU or this plan's
+        device (a kernel would read another device's memory from here)."""
+        if not t.is_cpu and t.device != self.device:
+            where = "cpu" if self.device.type == "cpu" else f"cpu or {self.device}"
+            raise TensorMismatch(name, f"a tensor on {where}", describe_tensor(t),
+                                 self._context)
 
     def _check_layer(self, layer: object) -> int:
         if self.op is not Op.LOAD_LAYER:
@@ -430,31 +478,29 @@ class BoundPlan:
         """:meth:`submit` of tensors, a layer and streams already checked (the
         controller's: it ran :meth:`check` itself, and its streams are its own and the
         device's current one). ``proofs``: see :meth:`_checked`."""
-        support = self._routes[(h.is_cpu, d.is_cpu)]
+        lane = self._lanes[h.is_cpu][d.is_cpu]
+        support = lane.support
         s = stream if stream is not None else current_stream(self.device)
-        h_placed, d_placed = self._fit(support, h, d)
+        h_placed, d_placed = lane.fit(h, d, self._inline_host[lane.key])
         if h_placed and d_placed:
-            return self._enqueue(support, h, d, layer, s, chained, after)
+            return self._enqueue(lane, h, d, layer, s, chained, after)
         segments: list[int] = []
         sub: Submission | None = None
         try:
             h, d, after = self._placed(support, h, d, h_placed, d_placed, s, after, segments,
                                        layer is not None, proofs)
-            sub = self._enqueue(support, h, d, layer, s, chained, after)
+            sub = self._enqueue(lane, h, d, layer, s, chained, after)
         finally:  # the ring's slots are free once what read them (or nothing) completed
             self._seal(segments, sub, s)
         assert sub is not None
         return sub
 
-    def _fit(self, support: OpSupport, h: torch.Tensor, d: torch.Tensor) -> tuple[bool, bool]:
-        """Whether each tensor already goes to ``support``'s runner as it is: where and how
-        its IndexSpec wants it, or (host indices) few enough CPU ones for its launch."""
-        device = self.device
-        h_placed = fits(h, support.host_index, device)
-        if (not h_placed and h.is_cpu and h.numel() <= self._inline_host[id(support)]
-                and h.is_contiguous()):
-            h_placed = True  # the runner copies them into its launch: nothing to upload
-        return h_placed, fits(d, support.device_index, device)
+    def _fit(self, h: torch.Tensor, d: torch.Tensor) -> tuple[_Lane, bool, bool]:
+        """The lane of checked tensors' route, and whether each tensor already goes to its
+        runner as it is: where and how its IndexSpec wants it, or (host indices) few enough
+        CPU ones for its launch."""
+        lane = self._lanes[h.is_cpu][d.is_cpu]
+        return (lane, *lane.fit(h, d, self._inline_host[lane.key]))
 
     def _placed(self, support: OpSupport, h: torch.Tensor, d: torch.Tensor, h_placed: bool,
                 d_placed: bool, s: Any, after: Any, segments: list[int], again: bool,
@@ -533,24 +579,28 @@ class BoundPlan:
         staged, placed = self._ring_stage(t, spec, segments, stream)
         return staged if placed else place(t, spec, self.device)
 
-    def _enqueue(self, support: OpSupport, hp: torch.Tensor, dp: torch.Tensor,
+    def _enqueue(self, lane: _Lane, hp: torch.Tensor, dp: torch.Tensor,
                  layer: int | None, s: Any, chained: bool, after: Any = None) -> Submission:
-        run = self._runners[id(support)]
+        """Run ``lane``'s runner on placed tensors; the submission of what it enqueued."""
+        support, run = lane.support, lane.run
         follow: Callable[..., Any] = run  # (a runner that `follows` takes `after` too)
-        # a write-back or all-layer runner that `follows` orders its transfer after `after`
-        if after is not None and not (getattr(run, "follows", False)
-                                      and self.op is not Op.LOAD_LAYER):
+        if after is not None and not lane.follows:
             self._fence.order(s, after)
             after = None
-        if self.op is not Op.LOAD_LAYER:
-            done = self._completion(support, run(hp, dp, None, s, False) if after is None
-                                    else follow(hp, dp, None, s, False, after))
+        if self._whole:
+            done = run(hp, dp, None, s, False) if after is None \
+                else follow(hp, dp, None, s, False, after)
+            if done is None:
+                event = recorded_event(self.device, s)
+                return Submission({}, event, [], one=event if self._load_all else None,
+                                  layers=self.num_layers)
+            if not hasattr(done, "check"):
+                self._completion(support, done)  # (raises)
             # a transfer another thread issues is its own event (one recorded on the stream
             # now would come before its work)
             event = done if _issued_later(done) else recorded_event(self.device, s)
-            return Submission({}, event, [] if done is None else [(None, done)],
-                              one=event if self.op is Op.LOAD_ALL else None,
-                              layers=self.num_layers)
+            return Submission({}, event, [(None, done)],
+                              one=event if self._load_all else None, layers=self.num_layers)
         if layer is not None:
             done = self._completion(support, run(hp, dp, layer, s, chained))
             event = recorded_event(self.device, s)
@@ -621,17 +671,17 @@ def issue_layers_across(plans: list[BoundPlan], h: torch.Tensor, d: torch.Tensor
         first._fence.order(stream, after)
     # each plan's ring segments, sealed even where placing or issuing fails part way
     segments: list[list[int]] = [[] for _ in plans]
-    placed: list[tuple[OpSupport, torch.Tensor, torch.Tensor]] = []
+    placed: list[tuple[_Lane, torch.Tensor, torch.Tensor]] = []
     subs: list[Submission] = []
     try:
         for plan, taken in zip(plans, segments, strict=True):
-            support = plan._routes[(h.is_cpu, d.is_cpu)]
-            hp, dp, _ = plan._placed(support, h, d, *plan._fit(support, h, d), stream, None,
+            lane, h_placed, d_placed = plan._fit(h, d)
+            hp, dp, _ = plan._placed(lane.support, h, d, h_placed, d_placed, stream, None,
                                      taken, False)
-            placed.append((support, hp, dp))
+            placed.append((lane, hp, dp))
         for layer in range(first.num_layers):
-            for i, (plan, (support, hp, dp)) in enumerate(zip(plans, placed, strict=True)):
-                subs.append(plan._enqueue(support, hp, dp, layer, stream, layer + i > 0))
+            for i, (plan, (lane, hp, dp)) in enumerate(zip(plans, placed, strict=True)):
+                subs.append(plan._enqueue(lane, hp, dp, layer, stream, layer + i > 0))
     finally:  # every slot is read until the last layer (or, failing, what was enqueued)
         last = subs[-1] if subs else None
         for plan, taken in zip(plans, segments, strict=True):

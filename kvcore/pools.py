@@ -207,7 +207,8 @@ class SlotAllocator:
     def alloc_values(self, num_tokens: int) -> tuple[torch.Tensor, np.ndarray]:
         """:meth:`alloc`, with the NumPy array the tensor shares its memory with (what a
         caller that keeps a copy of the values reads without converting the tensor)."""
-        if not is_int(num_tokens) or num_tokens < 0 or num_tokens % self.page_size:
+        if (type(num_tokens) is not int and not is_int(num_tokens)) or num_tokens < 0 \
+                or num_tokens % self.page_size:
             raise InvalidArgument("num_tokens", f"a non-negative int multiple of page_size "
                                   f"{self.page_size}", repr(num_tokens))
         n = num_tokens // self.page_size
