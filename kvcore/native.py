@@ -442,10 +442,11 @@ class NativeBackend:
                              after: Any = None) -> NativeJob | BoundsCompletion:
             if after is None:
                 return run_staged(h, d, layer, stream, chained)
-            if h.numel() < direct_below:
+            n = h.numel()
+            if n < direct_below:
                 fence.order(stream, after)
                 return run_direct(h, d, layer, stream, chained)
-            if h.numel() >= handed_from:
+            if n >= handed_from:
                 call, function = handed, "kvio_write_back_staged_async"
             elif overlapped is not None:
                 call, function = overlapped, "kvio_write_back_staged_after"
@@ -457,7 +458,7 @@ class NativeBackend:
             staging = staging_of(s)
             out = ctypes.c_void_p()
             call(k_ptrs, v_ptrs, num_layers, host_base, layout, h.data_ptr() or None,
-                 d.data_ptr() or None, 1 if d.dtype is int64 else 0, h.numel(),
+                 d.data_ptr() or None, 1 if d.dtype is int64 else 0, n,
                  staging.data_ptr(), staging.numel(), batched, s or None, raw(after) or None,
                  done.bounds, ctypes.byref(out))
             return NativeJob(lib, out.value or 0, done, (h, d, staging), function)
