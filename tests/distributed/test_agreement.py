@@ -195,7 +195,7 @@ def test_a_rank_that_stops_polling_is_named_within_the_ack_timeout(world: int) -
     odd = world - 1
     out = spawn(world, [("frozen_acks", odd, 30.0)])["frozen_acks"]
     assert sorted(out) == list(range(world))
-    assert out[odd][:2] == ("ok", "stopped")
+    assert out[odd][:2] == ("ok", "stopped"), out[odd]  # (an error shows its message)
     for r in range(odd):
         assert out[r][0] == "ok", out[r]
         got = out[r][1]
