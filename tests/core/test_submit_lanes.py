@@ -53,6 +53,11 @@ def test_host_indices_the_runner_takes_in_its_launch_count_as_placed_up_to_its_l
     assert lane.fit(h, d, 8) == (True, True)
     assert lane.fit(h, d, 7) == (False, True)
     assert lane.fit(torch.arange(16)[::2], d, 8) == (False, True)  # strided: uploaded
+    # an empty tensor too goes as it is only to a runner with a launch form (one without
+    # would get CPU indices it cannot read): placed, which for no index moves nothing
+    empty = torch.arange(0)
+    assert lane.fit(empty, d[:0], 0) == (False, True)
+    assert lane.fit(empty, d[:0], 8) == (True, True)
 
 
 def test_a_runner_follows_the_callers_stream_only_for_a_whole_transfer() -> None:
