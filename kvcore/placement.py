@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvcore.capabilities import IndexSpec, Residency, residency_device
+from kvcore.capabilities import IndexSpec, residency_device
 from kvcore.streams import Fence, has_streams, new_stream, synchronize_quietly
 
 #: ring capacity per bound plan (pinned and device each): 64 pages of 64 tokens in int64 take
@@ -53,15 +53,6 @@ def pinned_empty(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> tor
     one place this module pins: :mod:`kvcore.testing.stand_in_streams` swaps it for plain
     memory where torch has none)."""
     return torch.empty(shape, dtype=dtype, pin_memory=True)
-
-
-def fits(indices: torch.Tensor, spec: IndexSpec, device: torch.device) -> bool:
-    """Whether ``indices`` already are where and how ``spec`` wants them."""
-    if indices.dtype not in spec.dtypes or not indices.is_contiguous():
-        return False
-    if spec.residency is Residency.HOST:
-        return indices.is_cpu
-    return not indices.is_cpu and indices.device == device
 
 
 def place(indices: torch.Tensor, spec: IndexSpec, device: torch.device) -> torch.Tensor:

@@ -251,10 +251,12 @@ class _Lane:
         self.d_where = d_cpu is (support.device_index.residency is Residency.HOST)
 
     def fit(self, h: torch.Tensor, d: torch.Tensor, inline_host: int) -> tuple[bool, bool]:
-        """:func:`~kvcore.placement.fits` of both tensors of a submit on this route, for
-        tensors each on the CPU or the plan's device (a checked submit's), so where one is
-        is known from the route; and host indices count as placed where they are contiguous
-        CPU ones the runner takes in its launch (at most ``inline_host``)."""
+        """Whether each tensor of a submit on this route already is where and how its
+        IndexSpec wants it: a dtype it takes, contiguous, and on the CPU where it wants HOST,
+        on the plan's device where it wants DEVICE (the tensors are a checked submit's, each
+        on one or the other, so the route says which). Host indices count as placed too where
+        they are contiguous CPU ones the runner takes in its launch (at most
+        ``inline_host``; 0: it has no such form)."""
         h_placed = self.h_where and h.dtype in self.h_dtypes and h.is_contiguous()
         if not h_placed and inline_host and h.is_cpu and h.numel() <= inline_host \
                 and h.is_contiguous():
@@ -303,13 +305,11 @@ class BoundPlan:
         # carries them in the launch) where its spec wants them on the device (see _issue)
         self._inline_host = {key: int(getattr(run, "inline_host_tokens", 0))
                              for key, run in self._runners.items()}
-        # (host indices on the CPU, device indices on the CPU) -> the variant that runs
-        self._routes = {(h_cpu, d_cpu): self._route(h_cpu, d_cpu)
-                        for h_cpu in (True, False) for d_cpu in (True, False)}
-        # the same, as [h_cpu][d_cpu] -> what a submit on that route looks up
-        self._lanes = tuple(tuple(_Lane(self._routes[(bool(h_cpu), bool(d_cpu))],
-                                        bool(h_cpu), bool(d_cpu), self._runners, self.op)
-                                  for d_cpu in (0, 1)) for h_cpu in (0, 1))
+        # [host indices on the CPU][device indices on the CPU] -> the variant that runs and
+        # what a submit on that route looks up
+        self._lanes = tuple(tuple(_Lane(self._route(h_cpu, d_cpu), h_cpu, d_cpu,
+                                        self._runners, self.op)
+                                  for d_cpu in (False, True)) for h_cpu in (False, True))
         self._whole = self.op is not Op.LOAD_LAYER  # every layer in one job
         self._load_all = self.op is Op.LOAD_ALL
         self._ring = IndexRing(self.device, upload=getattr(self.backend, "upload_indices",
@@ -405,7 +405,7 @@ class BoundPlan:
         :attr:`support` wants one of them on the CPU."""
         h = check_index_tensor("host_indices", host_indices, self._context)
         d = check_index_tensor("device_indices", device_indices, self._context)
-        return self._routes[(h.is_cpu, d.is_cpu)]
+        return self._lanes[h.is_cpu][d.is_cpu].support
 
     def _route(self, h_cpu: bool, d_cpu: bool) -> OpSupport:
         s = self.support
@@ -423,7 +423,7 @@ class BoundPlan:
         check_index_tensor("host_indices", host_indices, self._context)
         check_index_tensor("device_indices", device_indices, self._context)
         if support is None:
-            support = self._routes[(host_indices.is_cpu, device_indices.is_cpu)]
+            support = self._lanes[host_indices.is_cpu][device_indices.is_cpu].support
         else:
             check_instance("support", support, OpSupport, "one of the plan's OpSupport",
                            self._context)
@@ -478,10 +478,9 @@ class BoundPlan:
         """:meth:`submit` of tensors, a layer and streams already checked (the
         controller's: it ran :meth:`check` itself, and its streams are its own and the
         device's current one). ``proofs``: see :meth:`_checked`."""
-        lane = self._lanes[h.is_cpu][d.is_cpu]
+        lane, h_placed, d_placed = self._fit(h, d)
         support = lane.support
         s = stream if stream is not None else current_stream(self.device)
-        h_placed, d_placed = lane.fit(h, d, self._inline_host[lane.key])
         if h_placed and d_placed:
             return self._enqueue(lane, h, d, layer, s, chained, after)
         segments: list[int] = []
@@ -588,18 +587,12 @@ class BoundPlan:
             self._fence.order(s, after)
             after = None
         if self._whole:
-            done = run(hp, dp, None, s, False) if after is None \
-                else follow(hp, dp, None, s, False, after)
-            if done is None:
-                event = recorded_event(self.device, s)
-                return Submission({}, event, [], one=event if self._load_all else None,
-                                  layers=self.num_layers)
-            if not hasattr(done, "check"):
-                self._completion(support, done)  # (raises)
+            done = self._completion(support, run(hp, dp, None, s, False) if after is None
+                                    else follow(hp, dp, None, s, False, after))
             # a transfer another thread issues is its own event (one recorded on the stream
             # now would come before its work)
             event = done if _issued_later(done) else recorded_event(self.device, s)
-            return Submission({}, event, [(None, done)],
+            return Submission({}, event, [] if done is None else [(None, done)],
                               one=event if self._load_all else None, layers=self.num_layers)
         if layer is not None:
             done = self._completion(support, run(hp, dp, layer, s, chained))

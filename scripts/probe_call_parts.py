@@ -206,7 +206,7 @@ def main() -> None:
         # the submit's two runtime-side parts alone: the prepared runner (the signaled launch)
         # and the completion event recorded behind it. Both grow with the page count only
         # right after a synchronize() that waited for the previous load (h100-2026-12-05b)
-        run = ll._runners[id(ll._routes[(False, False)])]
+        run = ll._lanes[False][False].run
         timed(f"[{pages}p] load_layer runner alone (placed) on s",
               lambda: run(lhp, ldp, None, s, False), n=50, every=torch.cuda.synchronize)
         timed(f"[{pages}p] recorded_event(s) after the runner",

@@ -1,6 +1,6 @@
-"""A bound plan's per-route lanes (kvcore.plan._Lane) decide placement as kvcore.placement.fits
-does, for every form a checked submit can bring: they look the spec's facts up once, where
-``fits`` reads them on every call, so the two must never disagree."""
+"""A bound plan's per-route lanes (kvcore.plan._Lane) decide placement by the rule below
+(``fits``), for every form a checked submit can bring: they look the spec's facts up once
+and take where a tensor is from its route, so the two must never disagree."""
 
 from __future__ import annotations
 
@@ -12,10 +12,18 @@ import torch
 
 from kvcore.capabilities import IndexSpec, Residency, op_support
 from kvcore.layout import Op
-from kvcore.placement import fits
 from kvcore.plan import _Lane
 
 DEVICE = torch.device("meta")  # a device that is not the CPU, with no data to read
+
+
+def fits(indices: torch.Tensor, spec: IndexSpec, device: torch.device) -> bool:
+    """The rule: ``indices`` already are where and how ``spec`` wants them."""
+    if indices.dtype not in spec.dtypes or not indices.is_contiguous():
+        return False
+    if spec.residency is Residency.HOST:
+        return indices.is_cpu
+    return not indices.is_cpu and indices.device == device
 
 
 def _forms() -> list[torch.Tensor]:
