@@ -22,6 +22,7 @@ from kvcore.capabilities import HostMemory, IndexSpec, OpSupport, Residency, op_
 from kvcore.errors import InvalidArgument, InvalidIndices, TransferFailed
 from kvcore.layout import ByteStrides, Kind, Layout, Op, contiguous_page_layouts, layouts_for
 from kvcore.native_abi import (
+    DIRECT_AFTER_FUNCTIONS,
     REPORT_BYTES,
     REPORT_DEVICE_EPOCH,
     REPORT_DEVICE_VALUE,
@@ -264,6 +265,8 @@ class NativeBackend:
         if op is Op.LOAD_LAYER and variant in (self.STAGED, self.DMA):
             return job_runner(self.run, job)  # refused, or one copy-engine call per layer
         run_direct = self._direct_runner(job, k_ptrs, v_ptrs, host_base, layout)
+        if op is Op.WRITE_BACK:
+            return self._direct_after_runner(job, run_direct, k_ptrs, v_ptrs, host_base, layout)
         if not (op is Op.LOAD_LAYER and job.support.layer_signals):
             return run_direct
         return self._signaled_runner(job, run_direct, k_ptrs, v_ptrs, host_base, layout)
@@ -310,6 +313,48 @@ class NativeBackend:
             run_direct.inline_host_tokens = (  # type: ignore[attr-defined]
                 inline_one if op is Op.LOAD_LAYER else inline_all)  # (a layer per call)
         return run_direct
+
+    def _direct_after_runner(self, job: TransferJob, run_direct: Runner, k_ptrs: int | None,
+                             v_ptrs: int | None, host_base: int | None,
+                             layout: KvioLayout) -> Runner:
+        """The direct write-back's runner for transfers ordered after another stream
+        (``after``: the controller's caller), where the library has
+        ``kvio_transfer_direct_after``: the library records the order point, launches the
+        kernel and records its completion (three runtime calls, against three torch event
+        calls around ``run_direct``), and the job it hands out is the completion. Without
+        ``after``, or without the function, ``run_direct`` (then not ``follows``: the plan
+        fences)."""
+        lib = self.lib
+        if not DIRECT_AFTER_FUNCTIONS <= frozenset(getattr(lib, "optional", ())) \
+                or not hasattr(lib, "unchecked"):
+            return run_direct
+        after_fn = lib.unchecked("kvio_transfer_direct_after")
+        inline_tokens: int | None = getattr(run_direct, "inline_host_tokens", None)
+        pool = job.device_pool
+        off_cpu = pool.device.type != "cpu"
+        num_layers = job.host_geometry.num_layers
+        issue, raw, int64 = self._reports().issue, self.stream_handle, torch.int64
+        host_tokens, device_tokens, op = job.host_geometry.size, pool.size, job.op
+
+        def run_after(h: torch.Tensor, d: torch.Tensor, layer: int | None, stream: Any,
+                      chained: bool, after: Any = None) -> NativeJob | BoundsCompletion:
+            if after is None or layer is not None:
+                return run_direct(h, d, layer, stream, chained)
+            host_inline = h.is_cpu and off_cpu
+            if host_inline and (inline_tokens is None or h.numel() > inline_tokens):
+                raise _cpu_host_indices(h, layer, inline_tokens or 0)
+            done = issue(host_tokens, device_tokens, op)
+            out = ctypes.c_void_p()
+            after_fn(DEVICE_TO_HOST, k_ptrs, v_ptrs, 0, num_layers, host_base, layout,
+                     h.data_ptr() or None, 1 if h.dtype is int64 else 0, d.data_ptr() or None,
+                     1 if d.dtype is int64 else 0, h.numel(), 1 if host_inline else 0,
+                     raw(stream) or None, raw(after) or None, done.bounds, ctypes.byref(out))
+            return NativeJob(lib, out.value or 0, done, (h, d), "kvio_transfer_direct_after")
+
+        run_after.follows = True  # type: ignore[attr-defined]
+        if inline_tokens is not None:
+            run_after.inline_host_tokens = inline_tokens  # type: ignore[attr-defined]
+        return run_after
 
     def _signaled_runner(self, job: TransferJob, run_direct: Runner, k_ptrs: int | None,
                          v_ptrs: int | None, host_base: int | None,
@@ -433,9 +478,13 @@ class NativeBackend:
         run_direct, direct_below = run_staged, 0  # tokens
         if pool.device.type != "cpu" and "kvio_transfer_direct_inline" in getattr(
                 lib, "optional", ()):
-            run_direct = self._direct_runner(job, k_ptrs, v_ptrs, host_base, layout)
+            run_direct = self._direct_after_runner(
+                job, self._direct_runner(job, k_ptrs, v_ptrs, host_base, layout), k_ptrs,
+                v_ptrs, host_base, layout)
             direct_below = min(-(-DIRECT_WRITE_BACK_MAX_BYTES // token_bytes),
                                run_direct.inline_host_tokens + 1)  # type: ignore[attr-defined]
+        direct_follows = getattr(run_direct, "follows", False)
+        follow_direct: Callable[..., NativeJob] = run_direct  # (it takes `after` too)
 
         def run_staged_async(h: torch.Tensor, d: torch.Tensor, layer: int | None,
                              stream: Any, chained: bool,
@@ -444,6 +493,8 @@ class NativeBackend:
                 return run_staged(h, d, layer, stream, chained)
             n = h.numel()
             if n < direct_below:
+                if direct_follows:
+                    return follow_direct(h, d, layer, stream, chained, after)
                 fence.order(stream, after)
                 return run_direct(h, d, layer, stream, chained)
             if n >= handed_from:

@@ -20,6 +20,7 @@ from typing import Any
 from kvcore.errors import BuildError, DeviceFault, InvalidArgument, KernelError
 
 __all__ = ["ABI_HEADER", "ABI_VERSION", "AFTER_WRITE_FUNCTIONS", "ASYNC_WRITE_FUNCTIONS",
+           "DIRECT_AFTER_FUNCTIONS",
            "INCLUDE_DIR", "INLINE_GRID_BYTES", "INLINE_INDEX_PAGES", "INLINE_INDEX_TOKENS",
            "JOB_PENDING", "REPORT_BYTES", "KvioBounds", "KvioLayout", "KvioReport",
            "NativeLibrary", "OPTIONAL_PROTOTYPES", "PROTOTYPES", "inline_index_limit",
@@ -350,6 +351,16 @@ OPTIONAL_PROTOTYPES: dict[str, tuple[Any, tuple[Any, ...]]] = {
     # the same, issued by the caller before it returns (the host copy of a small one
     # overlaps the next one's gather)
     "kvio_write_back_staged_after": _STAGED_JOB,
+    # kvio_transfer_direct's transfer of every layer given, after after_stream's work so far,
+    # with a job for its completion (host_inline: host_idx in CPU memory, as the _inline form)
+    "kvio_transfer_direct_after": (_c.c_int, (
+        *PROTOTYPES["kvio_transfer_direct"][1][:-2],
+        _c.c_int,       # host_inline
+        _c.c_void_p,    # stream
+        _c.c_void_p,    # after_stream
+        _BOUNDS_P,      # bounds
+        _c.POINTER(_c.c_void_p),  # job (out)
+    )),
     "kvio_job_status": (_c.c_int, (_c.c_void_p,)),
     "kvio_job_wait": (_c.c_int, (_c.c_void_p,)),
     "kvio_job_release": (None, (_c.c_void_p,)),
@@ -362,6 +373,9 @@ ASYNC_WRITE_FUNCTIONS = frozenset({"kvio_write_back_staged_async", "kvio_job_sta
 #: the optional functions that together make the overlapped staged write-back
 AFTER_WRITE_FUNCTIONS = frozenset({"kvio_write_back_staged_after", "kvio_job_status",
                                    "kvio_job_wait", "kvio_job_release"})
+#: the optional functions that together make the direct transfer with a job
+DIRECT_AFTER_FUNCTIONS = frozenset({"kvio_transfer_direct_after", "kvio_job_status",
+                                    "kvio_job_wait", "kvio_job_release"})
 #: what kvio_job_status / kvio_job_wait return for a job not yet finished (KVIO_JOB_PENDING)
 JOB_PENDING = -1
 
@@ -474,6 +488,11 @@ class NativeLibrary:
         functions it reports through (:meth:`write_back_staged_after`)."""
         return AFTER_WRITE_FUNCTIONS <= self.optional
 
+    def has_direct_after(self) -> bool:
+        """Whether the library exports the direct transfer with a job and the job functions
+        it reports through (:meth:`transfer_direct_after`)."""
+        return DIRECT_AFTER_FUNCTIONS <= self.optional
+
     def error_string(self, code: int) -> str:
         """The runtime's message for status ``code``."""
         raw = self._lib.kvio_error_string(ctypes.c_int(_int("code", code, _INT32)))
@@ -569,6 +588,39 @@ class NativeLibrary:
             _bounds(bounds),
         )
         self.check(name, status)
+
+    def transfer_direct_after(self, direction: int, k_ptrs: int, v_ptrs: int | None,
+                              layer_begin: int, layer_count: int, host_base: int,
+                              layout: KvioLayout | Mapping[str, int], host_idx: int,
+                              host_idx_64: int, dev_idx: int, dev_idx_64: int, n_tokens: int,
+                              host_inline: int | bool, stream: int | None,
+                              after_stream: int | None,
+                              bounds: KvioBounds | None = None) -> int:
+        """``kvio_transfer_direct_after`` (optional): :meth:`transfer_direct` on ``stream``
+        after the work enqueued on ``after_stream`` until this call (equal to ``stream``:
+        nothing more than stream order), ``host_idx`` in CPU memory where ``host_inline``
+        (as ``inline``). Returns the job handle of its completion for :meth:`job_status` and
+        :meth:`job_wait`, to be given back with :meth:`job_release`. Raises BuildError when
+        the library lacks the functions, InvalidArgument and KernelError as
+        :meth:`transfer_direct` (a refused call hands out no job).
+        """
+        if direction not in (0, 1):
+            raise InvalidArgument("direction", "0 (device -> host) or 1 (host -> device)",
+                                  repr(direction))
+        function = "kvio_transfer_direct_after"
+        if not self.has_direct_after():
+            raise BuildError(f"{self._where()} does not export {function} and the job "
+                             f"functions (rebuild the {self.name} library)")
+        job = ctypes.c_void_p()
+        self.check(function, self._lib.kvio_transfer_direct_after(
+            direction, _ptr("k_ptrs", k_ptrs), _ptr("v_ptrs", v_ptrs),
+            _int("layer_begin", layer_begin, _INT32), _int("layer_count", layer_count, _INT32),
+            _ptr("host_base", host_base), make_layout(layout), _ptr("host_idx", host_idx),
+            _flag("host_idx_64", host_idx_64), _ptr("dev_idx", dev_idx),
+            _flag("dev_idx_64", dev_idx_64), _int("n_tokens", n_tokens, _INT64),
+            _flag("host_inline", host_inline), _ptr("stream", stream),
+            _ptr("after_stream", after_stream), _bounds(bounds), ctypes.byref(job)))
+        return int(job.value or 0)
 
     def write_back_staged(self, k_ptrs: int, v_ptrs: int | None, num_layers: int,
                           host_base: int, layout: KvioLayout | Mapping[str, int],

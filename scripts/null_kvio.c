@@ -28,6 +28,7 @@ KVIO_API int kvio_signaled_layer_group(const uint64_t* a, const uint64_t* b, int
 KVIO_API int kvio_copy_to_device(void* a, const void* b, int64_t c, void* d) { return 0; }
 KVIO_API int kvio_write_back_staged_async(const uint64_t* a, const uint64_t* b, int32_t c, void* d, kvio_layout e, const int64_t* f, const void* g, int h, int64_t i, void* j, int64_t k, int l, void* m, void* n, const kvio_bounds* o, void** job) { *job = &finished_job; return 0; }
 KVIO_API int kvio_write_back_staged_after(const uint64_t* a, const uint64_t* b, int32_t c, void* d, kvio_layout e, const int64_t* f, const void* g, int h, int64_t i, void* j, int64_t k, int l, void* m, void* n, const kvio_bounds* o, void** job) { *job = &finished_job; return 0; }
+KVIO_API int kvio_transfer_direct_after(int a, const uint64_t* b, const uint64_t* c, int32_t d, int32_t e, void* f, kvio_layout g, const void* h, int i, const void* j, int k, int64_t l, int inl, void* m, void* m2, const kvio_bounds* n, void** job) { if (inl && !fits_inline(l, g)) return 1; *job = &finished_job; return 0; }
 KVIO_API int kvio_job_status(void* job) { return 0; }
 KVIO_API int kvio_job_wait(void* job) { return 0; }
 KVIO_API void kvio_job_release(void* job) {}

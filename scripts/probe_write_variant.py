@@ -3,9 +3,13 @@ queues of controller ``write()`` calls (kvio bench's controller rows, page_first
 (``shipped``: under DIRECT_WRITE_BACK_MAX_BYTES the direct kernel, above it the staged
 variant), with every write-back ``staged`` (a device gather, then copies of whole pages), with
 the ``direct`` kernel forced (one kernel storing into pinned host memory, the host indices in
-its launch) and with every staged write-back ``handed`` to the library's thread
+its launch), with every staged write-back ``handed`` to the library's thread
 (``kvio_write_back_staged_async`` from the first byte: the caller pays the checks and the
-handover, the thread the runtime calls).
+handover, the thread the runtime calls), as shipped with the direct kernel ``wide`` enough
+for one MHA page (DIRECT_WRITE_BACK_MAX_BYTES just over 8 MiB), and as shipped but with the
+direct kernel ``fenced`` by kvcore (torch events around kvio_transfer_direct_inline) instead
+of ordered by the library (kvio_transfer_direct_after). Rows for page_first and layer_first
+(whose write-back is always the direct kernel).
 
 h200-2026-12-05: an MLA write of 1 page (2.25 MiB) ran at 0.78-0.82 of the ceiling and 4 pages
 at 0.91, under issue 21's 0.85 / 0.93; MHA (8 MiB a page) at 0.905-0.915 / 0.95.
@@ -21,7 +25,8 @@ import sys
 import attrs
 import torch
 
-CASES = [("mla", 1), ("mla", 4), ("mla", 16), ("mha", 1), ("mha", 4), ("mha", 16)]
+CASES = [(layout, kind, pages) for layout in ("page_first", "layer_first")
+         for kind in ("mla", "mha") for pages in (1, 4, 16)]
 
 
 def force_direct() -> None:
@@ -47,14 +52,19 @@ def main() -> None:
 
     shipped_min = kvcore.native.ASYNC_WRITE_BACK_MIN_BYTES
     shipped_direct = kvcore.native.DIRECT_WRITE_BACK_MAX_BYTES
-    variants = sys.argv[1:] or ["shipped", "staged", "direct", "handed"] * 2
-    print("| variant | kind | pages | MiB | ratio | ms/call | ceiling ms | CPU us |")
-    print("|---|---|---|---|---|---|---|---|", flush=True)
+    variants = sys.argv[1:] or ["shipped", "fenced", "wide", "staged"] * 2
+    print("| variant | layout | kind | pages | MiB | ratio | ms/call | ceiling ms | CPU us |")
+    print("|---|---|---|---|---|---|---|---|---|", flush=True)
+    shipped_after = kvcore.native.DIRECT_AFTER_FUNCTIONS
     for variant in variants:
         importlib.reload(sys.modules["kvio_cuda"])  # the shipped capabilities again
         kvcore.native.ASYNC_WRITE_BACK_MIN_BYTES = 1 if variant == "handed" else shipped_min
-        kvcore.native.DIRECT_WRITE_BACK_MAX_BYTES = (shipped_direct if variant == "shipped"
-                                                     else 0)
+        kvcore.native.DIRECT_WRITE_BACK_MAX_BYTES = {
+            "shipped": shipped_direct, "fenced": shipped_direct,
+            "wide": (8 << 20) + 1}.get(variant, 0)
+        kvcore.native.DIRECT_AFTER_FUNCTIONS = (
+            shipped_after | {"(none: fenced by kvcore)"} if variant == "fenced"
+            else shipped_after)
         if variant == "direct":
             force_direct()
         reset_default_registry()
@@ -63,14 +73,15 @@ def main() -> None:
         clock = Clock(device, 1, 5)
         ceiling = Ceiling(clock, registry.instance(REFERENCE, device).allocate_host)  # type: ignore[attr-defined]
         gen = torch.Generator().manual_seed(5)
-        for kind, pages in CASES:
-            one = QueueCase("write", Kind(kind), Layout.PAGE_FIRST, pages, 1)
+        for layout, kind, pages in CASES:
+            one = QueueCase("write", Kind(kind), Layout(layout), pages, 1)
             case = attrs.evolve(one, calls=max(4, min(128, (2 << 30) // one.bytes_per_call)))
             row = run_queue(case, "cuda", registry, device, ceiling, 5, gen)
             if row.error:
-                print(f"| {variant} | {kind} | {pages} | - | {row.error} | | | |", flush=True)
+                print(f"| {variant} | {layout} | {kind} | {pages} | - | {row.error} | | | |",
+                      flush=True)
                 continue
-            print(f"| {variant} | {kind} | {pages} | {one.bytes_per_call / 2**20:.2f} | "
+            print(f"| {variant} | {layout} | {kind} | {pages} | {one.bytes_per_call / 2**20:.2f} | "
                   f"{row.ratio:.3f} | {row.ms_per_call:.4f} | {row.ceiling_ms:.4f} | "
                   f"{row.cpu_us:.0f} |", flush=True)
 

@@ -187,6 +187,21 @@ KVIO_API int kvio_write_back_staged_after(const uint64_t* k_ptrs, const uint64_t
                                           int64_t staging_bytes, int use_batched, void* stream,
                                           void* after_stream, const kvio_bounds* bounds,
                                           void** job);
+/* kvio_transfer_direct_after (optional, with kvio_job_status, _wait and _release):
+ * kvio_transfer_direct's transfer of every layer given, issued on `stream` after the work
+ * enqueued on after_stream so far (recorded as for kvio_write_back_staged_after; nothing when
+ * it is `stream`), with a job, as *job of kvio_write_back_staged_async, that completes after
+ * the kernel. host_inline 1: host_idx is CPU memory, read during the call and carried in the
+ * launch as by kvio_transfer_direct_inline (its limits); 0: device memory, as
+ * kvio_transfer_direct. Its checks and codes are those calls'; a refused call hands out no
+ * job and enqueues nothing; one that moves nothing hands out a job already finished. */
+KVIO_API int kvio_transfer_direct_after(int direction, const uint64_t* k_ptrs,
+                                        const uint64_t* v_ptrs, int32_t layer_begin,
+                                        int32_t layer_count, void* host_base, kvio_layout layout,
+                                        const void* host_idx, int host_idx_64,
+                                        const void* dev_idx, int dev_idx_64, int64_t n_tokens,
+                                        int host_inline, void* stream, void* after_stream,
+                                        const kvio_bounds* bounds, void** job);
 KVIO_API int kvio_job_status(void* job);
 KVIO_API int kvio_job_wait(void* job);
 KVIO_API void kvio_job_release(void* job);

@@ -14,6 +14,7 @@ import torch
 from kvcore.errors import (
     ControllerUnusable,
     DeviceFault,
+    InvalidArgument,
     InvalidIndices,
     KernelError,
     TransferFailed,
@@ -316,6 +317,98 @@ def test_a_write_back_under_the_direct_size_goes_through_the_direct_kernel_after
     assert [args[0] for args in lib.handed] == [
         "kvio_transfer_direct_inline", "kvio_write_back_staged_after", "synchronous"]
     assert calls["stream.wait_event"] == 1  # the staged forms order themselves
+
+
+class AfterLibrary(DirectLibrary):
+    """DirectLibrary with kvio_transfer_direct_after and the job functions it reports on."""
+
+    optional = (*DirectLibrary.optional, "kvio_transfer_direct_after", "kvio_job_status",
+                "kvio_job_wait", "kvio_job_release")
+
+
+def _meta_runner(lib: JobLibrary, layout: str, variant: str, calls: Any) -> Any:
+    """``variant``'s write-back runner for an MHA pool on the meta device (stand-in streams
+    counting into ``calls``; its stream handles are the streams' own)."""
+    from kvcore.backend import TransferJob
+    from kvcore.layout import Geometry, Kind, Layout, host_shape
+    from kvcore.native import native_ops
+
+    meta = torch.device("meta")
+    backend = NullStreamsNative(meta, lib, staging_bytes=1 << 20)  # type: ignore[arg-type]
+    dev = DevicePool.allocate("mha", 3, 64, 2, 64, torch.bfloat16, meta, 16)
+    g = Geometry(Kind.MHA, Layout(layout), 3, 64, 2, 64, 16)
+    host = HostPool.wrap(torch.empty(host_shape(g), dtype=torch.bfloat16), "mha", layout,
+                         3, 2, 64, 16)
+    support = next(s for s in native_ops() if s.op is Op.WRITE_BACK and s.variant == variant)
+    none = torch.empty(0, dtype=torch.int64)
+    return backend.prepare(TransferJob(
+        op=Op.WRITE_BACK, support=support, device_pool=dev, host_buffer=host.buffer,
+        host_geometry=host.geometry, host_strides=host.strides, host_indices=none,
+        device_indices=none)), host
+
+
+@pytest.mark.parametrize(("layout", "variant"), [("page_first", "staged"),
+                                                 ("layer_first", "direct")])
+def test_a_direct_write_back_after_the_callers_stream_is_ordered_by_the_library(
+        monkeypatch: pytest.MonkeyPatch, layout: str, variant: str) -> None:
+    """Where the library has kvio_transfer_direct_after, a controller write-back through the
+    direct kernel (page_first under DIRECT_WRITE_BACK_MAX_BYTES; every layer_first one) hands
+    the library the caller's stream to follow: no fence and no event of kvcore's, its host
+    indices in the launch, and the library's job is its completion. The plan API (no
+    ``after``) keeps the synchronous runner."""
+    import collections
+
+    from kvcore.native import BoundsCompletion
+    from kvcore.testing.stand_in_streams import NullStream, stand_in_streams
+
+    token_bytes = 2 * 3 * 2 * 64 * 2
+    monkeypatch.setattr("kvcore.native.ASYNC_WRITE_BACK_MIN_BYTES", 64 * token_bytes)
+    monkeypatch.setattr("kvcore.native.DIRECT_WRITE_BACK_MAX_BYTES", 16 * token_bytes)
+    calls: collections.Counter[str] = collections.Counter()
+    meta = torch.device("meta")
+    with stand_in_streams(meta.type, calls):
+        lib = AfterLibrary()
+        run, host = _meta_runner(lib, layout, variant, calls)
+        assert run.follows is True
+        stream, caller = NullStream(meta, calls), NullStream(meta, calls)
+        h = torch.arange(16, 31)
+        job = run(h, torch.arange(15, device=meta), None, stream, False, caller)
+        plan_api = run(h, torch.arange(15, device=meta), None, stream, False)
+    assert (calls["event.record"], calls["stream.wait_event"]) == (0, 0)
+    assert isinstance(job, NativeJob) and not isinstance(plan_api, NativeJob)
+    (name, direction, _k, _v, first, count, base, _layout, hp, h64, _dp, d64, n, inline, s,
+     after, bounds, _out) = lib.handed[0]
+    assert (name, direction, first, count, n, inline) == (
+        "kvio_transfer_direct_after", 0, 0, 3, 15, 1)
+    assert (s, after) == (stream.native_handle, caller.native_handle)
+    assert (hp, h64, d64, base) == (h.data_ptr(), 1, 1, host.buffer.data_ptr() or None)
+    assert isinstance(bounds, KvioBounds) and bounds.host_tokens == 64
+    assert lib.handed[1][0] == ("synchronous" if variant == "staged"
+                                else "kvio_transfer_direct_inline")
+    assert isinstance(plan_api, BoundsCompletion) or plan_api is None
+    assert job.query() is False
+    lib.status[0x100] = 700
+    with pytest.raises(KernelError, match="kvio_transfer_direct_after"):
+        job.check()
+
+
+def test_a_direct_write_back_after_refuses_cpu_host_indices_beyond_the_launchs_room(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """More CPU host indices than the launch carries are refused before any call (a bound
+    plan places them on the device first; this is the runner's own guard)."""
+    from kvcore.testing.stand_in_streams import NullStream, stand_in_streams
+
+    monkeypatch.setattr("kvcore.native_abi.INLINE_INDEX_TOKENS", 4)
+    monkeypatch.setattr("kvcore.native_abi.INLINE_INDEX_PAGES", 0)
+    meta = torch.device("meta")
+    calls: dict[str, int] = {}
+    with stand_in_streams(meta.type, calls):
+        lib = AfterLibrary()
+        run, _ = _meta_runner(lib, "layer_first", "direct", calls)
+        stream, caller = NullStream(meta, calls), NullStream(meta, calls)
+        with pytest.raises(InvalidArgument, match="host_indices"):
+            run(torch.arange(16), torch.arange(16, device=meta), None, stream, False, caller)
+    assert lib.handed == []
 
 
 @pytest.mark.parametrize("value", ["2", "yes", "inline", "off"])

@@ -81,9 +81,10 @@ def test_what_each_controller_call_asks_of_the_runtime() -> None:
     assert rows[("mha", "page_first", "16")][0] == (
         "kvio_write_back_staged_async 1, stream.current 1")
     # layer_first: the direct kernel's write-back, its host indices in the launch; from
-    # page_first too under DIRECT_WRITE_BACK_MAX_BYTES (one MLA page, 2.25 MiB), fenced here
-    direct = ("event.record 2, kvio_transfer_direct_inline 1, stream.current 1, "
-              "stream.wait_event 1")
+    # page_first too under DIRECT_WRITE_BACK_MAX_BYTES (one MLA page, 2.25 MiB). The library
+    # orders it after the caller's stream and records its completion
+    # (kvio_transfer_direct_after): no fence or event of kvcore's
+    direct = "kvio_transfer_direct_after 1, stream.current 1"
     for pages in ("1", "16"):
         assert rows[("mha", "layer_first", pages)][0] == direct
     assert rows[("mla", "page_first", "1")][0] == direct
@@ -101,9 +102,12 @@ def test_what_a_controller_call_asks_of_the_runtime_with_its_indices_uploaded() 
     assert all(r[1] == uploaded.format("kvio_copy_to_device 1, kvio_load_layers_signaled 1, ",
                                        ", tensor.record_stream 1") and r[2] == WAITS
                for r in rows.values())
+    # a direct write-back's fence and completion are the library's (kvio_transfer_direct_after,
+    # its host indices on the device): only the upload's record and wait are kvcore's
     for pages in ("1", "16"):
-        assert rows[("mha", "layer_first", pages)][0] == uploaded.format(
-            "kvio_copy_to_device 1, kvio_transfer_direct 1, ", "")
+        assert rows[("mha", "layer_first", pages)][0] == (
+            "event.record 1, kvio_copy_to_device 1, kvio_transfer_direct_after 1, "
+            "stream.current 1, stream.wait_event 1")
 
 
 def test_per_layer_submits_of_the_same_cpu_indices_upload_them_once_and_a_change_again() -> None:

@@ -1012,3 +1012,55 @@ def test_real_library_inline_transfers_refuse_what_they_cannot_carry_before_any_
     for i in range(n):
         h[i] = 7 * page + 1 + i
     assert call(pages * page, 1 << 20) == 1  # pages that do not start at a multiple of 64
+
+
+def test_real_library_direct_after_refuses_what_the_direct_forms_refuse_and_hands_out_no_job(
+        real_library: _native.NativeLibrary, no_gpu: None) -> None:
+    """kvio_transfer_direct_after checks as kvio_transfer_direct (host_inline 0) and
+    kvio_transfer_direct_inline (1) do, before recording anything: a refused call leaves no
+    job; one that moves nothing hands out a job already finished, touching no device."""
+    assert real_library.has_direct_after()
+    raw = real_library._lib
+    layout = _native.KvioLayout.from_fields(LAYOUT)
+    job = ctypes.c_void_p()
+    host = (ctypes.c_int64 * 64)(*range(64, 128))
+    dev = (ctypes.c_int64 * 64)(*range(64))
+
+    def call(direction: int, k: int | None, first: int, n: int, inline: int,
+             host_tokens: int = 1 << 20) -> int:
+        job.value = 0xDEAD
+        return raw.kvio_transfer_direct_after(  # type: ignore[no-any-return]
+            direction, k, 0, first, 1, 1, layout, ctypes.addressof(host), 1,
+            ctypes.addressof(dev), 1, n, inline, None, None, _bounds(host_tokens, 1 << 20),
+            ctypes.byref(job))
+
+    assert call(2, 1, 0, 64, 0) == 1 and job.value is None  # no such direction
+    assert call(0, None, 0, 64, 0) == 1 and job.value is None  # no K pointers
+    assert call(0, 1, -1, 64, 0) == 1 and job.value is None  # a negative layer
+    assert call(0, 1, 0, 64, 1, host_tokens=127) == 1 and job.value is None  # index 127
+    assert raw.kvio_transfer_direct_after(0, 1, 0, 0, 1, 1, layout, 1, 1, 1, 1, 64, 0, None,
+                                          None, BOUNDS, None) == 1  # no job slot
+    # in range, inline or not: past the checks to the runtime (no GPU here), no job
+    assert _reaches_the_runtime(call(0, 1, 0, 64, 1, host_tokens=128)) and job.value is None
+    assert _reaches_the_runtime(call(0, 1, 0, 64, 0)) and job.value is None
+    # nothing to do: a finished job
+    assert call(0, 1, 0, 0, 1) == 0 and job.value not in (None, 0xDEAD)
+    assert raw.kvio_job_status(job) == 0 and raw.kvio_job_wait(job) == 0
+    raw.kvio_job_release(job)
+    with pytest.raises(KernelError, match="kvio_transfer_direct_after: invalid argument"):
+        real_library.transfer_direct_after(0, 1, 0, -1, 1, 1, LAYOUT, 1, 1, 1, 1, 64, 0, None,
+                                           None, BOUNDS)
+
+
+def test_the_direct_transfer_after_binds_the_direct_arguments_then_its_own() -> None:
+    direct, after = _argtypes("kvio_transfer_direct"), _argtypes("kvio_transfer_direct_after")
+    assert after[:12] == direct[:12]  # up to n_tokens
+    assert after[12:15] == [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
+    assert after[15] == direct[13]  # bounds
+    assert after[16] == ctypes.POINTER(ctypes.c_void_p)
+    lib = _native.NativeLibrary("fake.so", lib=FakeLib())
+    assert not lib.has_direct_after()
+    with pytest.raises(BuildError, match="does not export kvio_transfer_direct_after"):
+        lib.transfer_direct_after(0, 1, 0, 0, 1, 1, LAYOUT, 1, 1, 1, 1, 64, 1, None, None)
+    with pytest.raises(InvalidArgument, match="direction"):
+        lib.transfer_direct_after(2, 1, 0, 0, 1, 1, LAYOUT, 1, 1, 1, 1, 64, 1, None, None)

@@ -64,14 +64,19 @@ def gen() -> torch.Generator:
     return torch.Generator().manual_seed(20261204)
 
 
-@pytest.fixture(params=["caller", "thread", "direct"])
+@pytest.fixture(params=["caller", "thread", "direct", "direct_fenced"])
 def handover(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Staged write-backs issued on the caller's thread, all handed to the library's, or all
-    sent to the direct kernel (the controller's form for small ones)."""
+    sent to the direct kernel (the controller's form for small ones): ordered after the
+    caller's stream by the library (kvio_transfer_direct_after), or, as for a library without
+    that function, by kvcore's fence and completion event."""
     monkeypatch.setattr("kvcore.native.ASYNC_WRITE_BACK_MIN_BYTES",
                         1 if request.param == "thread" else 1 << 62)
     monkeypatch.setattr("kvcore.native.DIRECT_WRITE_BACK_MAX_BYTES",
-                        1 << 62 if request.param == "direct" else 0)
+                        1 << 62 if request.param.startswith("direct") else 0)
+    if request.param == "direct_fenced":
+        monkeypatch.setattr("kvcore.native.DIRECT_AFTER_FUNCTIONS",
+                            frozenset({"kvio_transfer_direct_after", "no such function"}))
     return str(request.param)
 
 

@@ -1443,39 +1443,66 @@ KVIO_API int kvio_has_batched_memcpy(void) {
 
 namespace {
 
+// The checks of a direct transfer, made before anything is enqueued: *nothing set where it
+// moves no byte (a success). INLINE_HOST: host_idx is CPU memory, read here into `inl`.
+cudaError_t check_direct(int direction, const uint64_t* k_ptrs, int32_t layer_begin,
+                         int32_t layer_count, void* host_base, const kvio_layout& layout,
+                         const void* host_idx, int host_idx_64, const void* dev_idx,
+                         int64_t n_tokens, const kvio_bounds* bounds, bool inline_host,
+                         InlineIndices* inl, bool* nothing) {
+    if ((direction != kDeviceToHost && direction != kHostToDevice) || k_ptrs == nullptr ||
+        host_base == nullptr || layer_begin < 0 || layer_count < 0 || n_tokens < 0 ||
+        !layout_ok(layout) || !bounds_ok(bounds)) {
+        return cudaErrorInvalidValue;
+    }
+    *nothing = n_tokens == 0 || layer_count == 0;
+    if (*nothing) {
+        return cudaSuccess;
+    }
+    if (host_idx == nullptr || dev_idx == nullptr) {
+        return cudaErrorInvalidValue;
+    }
+    return inline_host
+               ? read_inline(host_idx, host_idx_64, n_tokens, layout.page_size, *bounds, inl)
+               : cudaSuccess;
+}
+
+// A checked direct transfer's launch on `s` (its device entered by `guard`).
+cudaError_t launch_direct(int direction, const uint64_t* k_ptrs, const uint64_t* v_ptrs,
+                          int32_t layer_begin, int32_t layer_count, void* host_base,
+                          const kvio_layout& layout, const void* host_idx, int host_idx_64,
+                          const void* dev_idx, int dev_idx_64, int64_t n_tokens, bool chained,
+                          cudaStream_t s, const DeviceGuard& guard, const kvio_bounds& bounds,
+                          const InlineIndices* inl) {
+    CopyParams p = indexed_params(k_ptrs, v_ptrs, host_base, layout,
+                                  inl != nullptr ? nullptr : host_idx, host_idx_64, dev_idx,
+                                  dev_idx_64, bounds);
+    p.layer_begin = layer_begin;
+    const int num_kv = v_ptrs != nullptr ? 2 : 1;
+    return launch_copy(direction, p, num_kv, n_tokens, layer_count, layout.num_chunks,
+                       guard.device(), chained, s, inl);
+}
+
 cudaError_t transfer_direct(int direction, const uint64_t* k_ptrs, const uint64_t* v_ptrs,
                             int32_t layer_begin, int32_t layer_count, void* host_base,
                             const kvio_layout& layout, const void* host_idx, int host_idx_64,
                             const void* dev_idx, int dev_idx_64, int64_t n_tokens,
                             bool chained, void* stream, const kvio_bounds* bounds,
                             bool inline_host = false) {
-    if ((direction != kDeviceToHost && direction != kHostToDevice) || k_ptrs == nullptr ||
-        host_base == nullptr || layer_begin < 0 || layer_count < 0 || n_tokens < 0 ||
-        !layout_ok(layout) || !bounds_ok(bounds)) {
-        return cudaErrorInvalidValue;
-    }
-    if (n_tokens == 0 || layer_count == 0) {
-        return cudaSuccess;
-    }
-    if (host_idx == nullptr || dev_idx == nullptr) {
-        return cudaErrorInvalidValue;
-    }
     InlineIndices inl;
-    if (inline_host) {
-        KVIO_CHECK(
-            read_inline(host_idx, host_idx_64, n_tokens, layout.page_size, *bounds, &inl));
+    bool nothing = false;
+    KVIO_CHECK(check_direct(direction, k_ptrs, layer_begin, layer_count, host_base, layout,
+                            host_idx, host_idx_64, dev_idx, n_tokens, bounds, inline_host, &inl,
+                            &nothing));
+    if (nothing) {
+        return cudaSuccess;
     }
     cudaStream_t s = static_cast<cudaStream_t>(stream);
     DeviceGuard guard;
     KVIO_CHECK(guard.enter(s));
-
-    CopyParams p = indexed_params(k_ptrs, v_ptrs, host_base, layout,
-                                  inline_host ? nullptr : host_idx, host_idx_64, dev_idx,
-                                  dev_idx_64, *bounds);
-    p.layer_begin = layer_begin;
-    const int num_kv = v_ptrs != nullptr ? 2 : 1;
-    return launch_copy(direction, p, num_kv, n_tokens, layer_count, layout.num_chunks,
-                       guard.device(), chained, s, inline_host ? &inl : nullptr);
+    return launch_direct(direction, k_ptrs, v_ptrs, layer_begin, layer_count, host_base, layout,
+                         host_idx, host_idx_64, dev_idx, dev_idx_64, n_tokens, chained, s, guard,
+                         *bounds, inline_host ? &inl : nullptr);
 }
 
 // The launch of a signaled load: vector width, tiles per layer, grid (plans `p`) and how many
@@ -2424,6 +2451,58 @@ cudaError_t write_back_staged_after(const uint64_t* k_ptrs, const uint64_t* v_pt
     return cudaSuccess;
 }
 
+// kvio_transfer_direct_after: the direct kernel's transfer on `stream` after
+// `after_stream`'s work so far, with a job for its completion (never shared with the
+// thread). Checked before anything is recorded: a refused call hands out no job and
+// enqueues nothing.
+cudaError_t transfer_direct_after(int direction, const uint64_t* k_ptrs, const uint64_t* v_ptrs,
+                                  int32_t layer_begin, int32_t layer_count, void* host_base,
+                                  const kvio_layout& layout, const void* host_idx,
+                                  int host_idx_64, const void* dev_idx, int dev_idx_64,
+                                  int64_t n_tokens, int host_inline, void* stream,
+                                  void* after_stream, const kvio_bounds* bounds,
+                                  void** job_out) {
+    if (job_out == nullptr) {
+        return cudaErrorInvalidValue;
+    }
+    *job_out = nullptr;
+    InlineIndices inl;
+    bool nothing = false;
+    KVIO_CHECK(check_direct(direction, k_ptrs, layer_begin, layer_count, host_base, layout,
+                            host_idx, host_idx_64, dev_idx, n_tokens, bounds, host_inline != 0,
+                            &inl, &nothing));
+    auto job = std::make_unique<Job>();
+    job->issued = true;  // never shared with the thread
+    if (nothing) {  // a job that finished at once (no event)
+        *job_out = job.release();
+        return cudaSuccess;
+    }
+    cudaStream_t s = static_cast<cudaStream_t>(stream);
+    DeviceGuard guard;
+    KVIO_CHECK(guard.enter(s));
+    job->device = guard.device();
+    job->stream = s;
+    auto issue = [&]() -> cudaError_t {
+        KVIO_CHECK(take_job_events(job.get(), static_cast<cudaStream_t>(after_stream)));
+        if (job->after != nullptr) {
+            KVIO_CHECK(cudaStreamWaitEvent(s, job->after, 0));
+        }
+        KVIO_CHECK(launch_direct(direction, k_ptrs, v_ptrs, layer_begin, layer_count,
+                                 host_base, layout, host_idx, host_idx_64, dev_idx, dev_idx_64,
+                                 n_tokens, false, s, guard, *bounds,
+                                 host_inline != 0 ? &inl : nullptr));
+        return cudaEventRecord(job->done, s);
+    };
+    const cudaError_t err = issue();
+    if (err != cudaSuccess) {
+        give_job_events(job.get());
+        return err;
+    }
+    job->done_recorded = true;
+    *job_out = job.release();
+    return cudaSuccess;
+}
+
 // The status of a job: kJobPending, cudaSuccess once everything it enqueued completed, or
 // the error that failed it.
 int job_status(Job* job, bool wait) {
@@ -2532,6 +2611,19 @@ KVIO_API int kvio_write_back_staged_after(const uint64_t* k_ptrs, const uint64_t
                                           host_idx_cpu, dev_idx, dev_idx_64, n_tokens, staging,
                                           staging_bytes, use_batched, stream, after_stream,
                                           bounds, job));
+}
+
+KVIO_API int kvio_transfer_direct_after(int direction, const uint64_t* k_ptrs,
+                                        const uint64_t* v_ptrs, int32_t layer_begin,
+                                        int32_t layer_count, void* host_base, kvio_layout layout,
+                                        const void* host_idx, int host_idx_64,
+                                        const void* dev_idx, int dev_idx_64, int64_t n_tokens,
+                                        int host_inline, void* stream, void* after_stream,
+                                        const kvio_bounds* bounds, void** job) {
+    return finish(transfer_direct_after(direction, k_ptrs, v_ptrs, layer_begin, layer_count,
+                                        host_base, layout, host_idx, host_idx_64, dev_idx,
+                                        dev_idx_64, n_tokens, host_inline, stream, after_stream,
+                                        bounds, job));
 }
 
 KVIO_API int kvio_job_status(void* job) {
