@@ -457,9 +457,11 @@ class NativeBackend:
         the thread for the runtime calls); a smaller one is issued here through
         ``kvio_write_back_staged_after`` where the library has it (its host copy overlaps the
         next write-back's gather), else after a fence through ``run_staged``. Either returns
-        a :class:`NativeJob` that tells its completion. One under
-        :data:`DIRECT_WRITE_BACK_MAX_BYTES` goes, after a fence, through the direct kernel
-        with its host indices in the launch, where the library has that form and they fit it.
+        a :class:`NativeJob` that tells its completion. One of at most
+        :data:`DIRECT_WRITE_BACK_MAX_BYTES` goes through the direct kernel with its host
+        indices in the launch, where the library has that form and they fit it (ordered after
+        ``after`` by the library where it has ``kvio_transfer_direct_after``, else by a
+        fence).
         Without ``after`` (the plan API: the transfer must be on ``stream`` in stream order
         when the submit returns) ``run_staged`` (the synchronous runner) enqueues it."""
         lib = self.lib
@@ -475,14 +477,14 @@ class NativeBackend:
         token_bytes = (2 if pool.v_ptrs is not None else 1) * num_layers * pool.element_bytes
         handed_from = -(-ASYNC_WRITE_BACK_MIN_BYTES // token_bytes)  # tokens
         fence = Fence(self.device)
-        run_direct, direct_below = run_staged, 0  # tokens
+        run_direct, direct_upto = run_staged, -1  # tokens
         if pool.device.type != "cpu" and "kvio_transfer_direct_inline" in getattr(
                 lib, "optional", ()):
             run_direct = self._direct_after_runner(
                 job, self._direct_runner(job, k_ptrs, v_ptrs, host_base, layout), k_ptrs,
                 v_ptrs, host_base, layout)
-            direct_below = min(-(-DIRECT_WRITE_BACK_MAX_BYTES // token_bytes),
-                               run_direct.inline_host_tokens + 1)  # type: ignore[attr-defined]
+            direct_upto = min(DIRECT_WRITE_BACK_MAX_BYTES // token_bytes,
+                              run_direct.inline_host_tokens)  # type: ignore[attr-defined]
         direct_follows = getattr(run_direct, "follows", False)
         follow_direct: Callable[..., NativeJob] = run_direct  # (it takes `after` too)
 
@@ -492,7 +494,7 @@ class NativeBackend:
             if after is None:
                 return run_staged(h, d, layer, stream, chained)
             n = h.numel()
-            if n < direct_below:
+            if n <= direct_upto:
                 if direct_follows:
                     return follow_direct(h, d, layer, stream, chained, after)
                 fence.order(stream, after)
@@ -821,7 +823,7 @@ class BoundsCompletion:
 WRITE_BACK_MODES = {
     "0": "every write-back by the caller, in stream order (kvio_write_back_staged)",
     "1": "from ASYNC_WRITE_BACK_MIN_BYTES by the library's thread, smaller by the caller with "
-         "its host copy overlapping the next one's gather, under DIRECT_WRITE_BACK_MAX_BYTES "
+         "its host copy overlapping the next one's gather, up to DIRECT_WRITE_BACK_MAX_BYTES "
          "through the direct kernel (the default)",
 }
 
@@ -845,13 +847,17 @@ def _mode(variable: str, modes: dict[str, str], default: str) -> str:
 #: of runtime calls (a pipeline of chunks), below it a few, which are cheaper than a handover
 ASYNC_WRITE_BACK_MIN_BYTES = 16 << 20
 
-#: a staged write-back through the controller smaller than this goes through the direct kernel
-#: instead (SM stores into pinned memory, the host indices in its launch). The staged path's
-#: runtime calls cost a slow host's caller more than such a copy takes: a one-page MLA write
-#: (2.25 MiB) ran at 0.69-0.80 of the ceiling there, CPU-bound, where the direct kernel holds
-#: 0.93 (docs/benchmarks/h100-2026-12-06g). From 4 MiB (MHA's 8 MiB page) the copy outlasts
-#: the calls and the staged path's higher bandwidth wins.
-DIRECT_WRITE_BACK_MAX_BYTES = 4 << 20
+#: a staged write-back through the controller of at most this many bytes goes through the
+#: direct kernel instead (SM stores into pinned memory, the host indices in its launch). The
+#: staged path's runtime calls cost a slow host's caller more than such a copy takes: a
+#: one-page MLA write (2.25 MiB) ran at 0.69-0.80 of the ceiling there, CPU-bound, where the
+#: direct kernel holds 0.93 (docs/benchmarks/h100-2026-12-06g). Up to one MHA page (8 MiB) the
+#: caller's CPU decides: its staged write-back read 1.00 of the ceiling against the direct
+#: kernel's 0.94, and cost the caller 24-28 us against 19-21 (an H100 host, a Python call in
+#: 44 ns) and the library call 20.6 us against 9.0 on an H200 host (issue 21's bar: 30 us per
+#: write(); docs/benchmarks/h100-2026-12-07). Larger ones keep the staged path's bandwidth
+#: (0.95-0.98 from 4 MHA pages, against 0.945).
+DIRECT_WRITE_BACK_MAX_BYTES = 8 << 20
 
 #: pages (per K/V, over all layers) at least this large go through the staged write-back
 #: (and the staged all-layer load, where declared)

@@ -268,11 +268,11 @@ class NullStreamsNative(NativeBackend):
 
 def test_a_write_back_under_the_direct_size_goes_through_the_direct_kernel_after_a_fence(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """Under DIRECT_WRITE_BACK_MAX_BYTES, where the library launches the direct kernel with
-    CPU host indices, a controller write-back (``after`` given) is ordered after the caller's
-    stream by a fence and goes through kvio_transfer_direct_inline with its host indices;
-    from that size on, the staged path as before, and the plan API (no ``after``) keeps the
-    staged write-back whatever the size."""
+    """Up to DIRECT_WRITE_BACK_MAX_BYTES, where the library launches the direct kernel with
+    CPU host indices (but has no kvio_transfer_direct_after), a controller write-back
+    (``after`` given) is ordered after the caller's stream by a fence and goes through
+    kvio_transfer_direct_inline with its host indices; above that size, the staged path as
+    before, and the plan API (no ``after``) keeps the staged write-back whatever the size."""
     import collections
 
     from kvcore.backend import TransferJob
@@ -282,7 +282,7 @@ def test_a_write_back_under_the_direct_size_goes_through_the_direct_kernel_after
 
     token_bytes = 2 * 3 * 2 * 64 * 2  # K and V, 3 layers, 2 heads x 64 bf16
     monkeypatch.setattr("kvcore.native.ASYNC_WRITE_BACK_MIN_BYTES", 64 * token_bytes)
-    monkeypatch.setattr("kvcore.native.DIRECT_WRITE_BACK_MAX_BYTES", 16 * token_bytes)
+    monkeypatch.setattr("kvcore.native.DIRECT_WRITE_BACK_MAX_BYTES", 15 * token_bytes)
     calls: collections.Counter[str] = collections.Counter()
     meta = torch.device("meta")
     with stand_in_streams(meta.type, calls):
@@ -352,7 +352,7 @@ def _meta_runner(lib: JobLibrary, layout: str, variant: str, calls: Any) -> Any:
 def test_a_direct_write_back_after_the_callers_stream_is_ordered_by_the_library(
         monkeypatch: pytest.MonkeyPatch, layout: str, variant: str) -> None:
     """Where the library has kvio_transfer_direct_after, a controller write-back through the
-    direct kernel (page_first under DIRECT_WRITE_BACK_MAX_BYTES; every layer_first one) hands
+    direct kernel (page_first up to DIRECT_WRITE_BACK_MAX_BYTES; every layer_first one) hands
     the library the caller's stream to follow: no fence and no event of kvcore's, its host
     indices in the launch, and the library's job is its completion. The plan API (no
     ``after``) keeps the synchronous runner."""
@@ -363,7 +363,7 @@ def test_a_direct_write_back_after_the_callers_stream_is_ordered_by_the_library(
 
     token_bytes = 2 * 3 * 2 * 64 * 2
     monkeypatch.setattr("kvcore.native.ASYNC_WRITE_BACK_MIN_BYTES", 64 * token_bytes)
-    monkeypatch.setattr("kvcore.native.DIRECT_WRITE_BACK_MAX_BYTES", 16 * token_bytes)
+    monkeypatch.setattr("kvcore.native.DIRECT_WRITE_BACK_MAX_BYTES", 15 * token_bytes)
     calls: collections.Counter[str] = collections.Counter()
     meta = torch.device("meta")
     with stand_in_streams(meta.type, calls):

@@ -73,15 +73,15 @@ def test_what_each_controller_call_asks_of_the_runtime() -> None:
     # KVIO_INLINE_INDEX_PAGES of them): no upload through the ring
     inline = ("event.record 2, kvio_load_layers_signaled_inline 1, stream.current 1, "
               "stream.wait_event 1, tensor.record_stream 1")
-    # 8 MiB: issued by the caller, which the library orders after the caller's stream and
-    # whose completion it records itself (kvio_write_back_staged_after)
+    # 8 MiB (DIRECT_WRITE_BACK_MAX_BYTES): the direct kernel, which the library orders after
+    # the caller's stream and whose completion it records itself (kvio_transfer_direct_after)
     assert rows[("mha", "page_first", "1")] == [
-        "kvio_write_back_staged_after 1, stream.current 1", inline, WAITS]
+        "kvio_transfer_direct_after 1, stream.current 1", inline, WAITS]
     # 128 MiB: handed to the library's thread, which records the caller's point itself
     assert rows[("mha", "page_first", "16")][0] == (
         "kvio_write_back_staged_async 1, stream.current 1")
-    # layer_first: the direct kernel's write-back, its host indices in the launch; from
-    # page_first too under DIRECT_WRITE_BACK_MAX_BYTES (one MLA page, 2.25 MiB). The library
+    # layer_first: the direct kernel's write-back, its host indices in the launch, as from
+    # page_first up to DIRECT_WRITE_BACK_MAX_BYTES (here one MLA page, 2.25 MiB). The library
     # orders it after the caller's stream and records its completion
     # (kvio_transfer_direct_after): no fence or event of kvcore's
     direct = "kvio_transfer_direct_after 1, stream.current 1"

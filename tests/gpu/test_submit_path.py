@@ -301,7 +301,7 @@ def test_back_to_back_write_backs_of_mixed_sizes_each_land_whole(
     must land whole where its ack says."""
     page_bytes = 2 * LAYERS * 64 * HEADS * HEAD_DIM * 2  # K and V of one page: 1 MiB
     monkeypatch.setattr("kvcore.native.ASYNC_WRITE_BACK_MIN_BYTES", 4 * page_bytes)
-    monkeypatch.setattr("kvcore.native.DIRECT_WRITE_BACK_MAX_BYTES", 2 * page_bytes)
+    monkeypatch.setattr("kvcore.native.DIRECT_WRITE_BACK_MAX_BYTES", page_bytes)
     dev, host = _pools(Kind.MHA, Layout.PAGE_FIRST, 64, gen)
     ctl = HiCacheController(dev, host)
     source = [t.clone() for t in dev.all_buffers()]
