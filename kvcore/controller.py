@@ -50,7 +50,7 @@ from kvcore.plan import (
 from kvcore.policy import CacheEvent, WritePolicy, should_back_up
 from kvcore.pools import DevicePool, HostPool
 from kvcore.registry import Registry, default_registry, make_request
-from kvcore.streams import current_stream, new_stream, synchronize_quietly
+from kvcore.streams import CurrentStream, new_stream, synchronize_quietly
 from kvcore.validate import CheckedTensors, check_index_tensor, check_instance, is_int
 from kvcore.write_queue import Health, WriteQueue
 
@@ -137,6 +137,10 @@ class HiCacheController:
         # member 0's plans of each call, looked up without hashing an Op (a Python call)
         self._write_plan = self.bound[(0, Op.WRITE_BACK)]
         self._load_plans = (self.bound[(0, Op.LOAD_LAYER)], self.bound[(0, Op.LOAD_ALL)])
+        # the caller's stream on every submit, through the backend's handle lookup where it
+        # has one (every member's plans run on this device)
+        self._callers_stream = CurrentStream(self.device, getattr(
+            self._write_plan.backend, "current_stream_handle", None))
         self.allocator = host_pool.allocator
         self.process_group = process_group
         if verify:
@@ -356,7 +360,7 @@ class HiCacheController:
         op = first.op
         caller = None
         if stream is not None:
-            caller = current_stream(self.device)
+            caller = self._callers_stream()
             # the index tensors were made on the caller's stream and are used on ours: their
             # memory must not be reused before our work is done. A write's ack holds both
             # until its completion was seen (record_stream would cost a microsecond here and

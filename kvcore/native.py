@@ -153,6 +153,10 @@ class NativeBackend:
         """The runtime's handle of a torch stream (0: the legacy default stream)."""
         return native_handle(stream)
 
+    #: a lookup of the raw handle of the device's current stream that builds no stream
+    #: object (:class:`kvcore.streams.CurrentStream`), where the plugin has one
+    current_stream_handle: Callable[[], int] | None = None
+
     def current_raw_stream(self) -> int:
         """The raw handle of the device's current stream (a subclass may look it up faster;
         this is on every ``wait_layer``)."""

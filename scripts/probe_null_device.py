@@ -91,6 +91,7 @@ def null_registry(library: Path, current: NullStream,
                 lib._lib = CountedLibrary(lib._lib, calls)
             super().__init__(device, lib)
             self.current_raw_stream = lambda: current.native_handle  # type: ignore[method-assign]
+            self.current_stream_handle = self.current_raw_stream  # (as kvio_cuda's)
 
         def raw_stream(self, stream: Any) -> int:
             return 0 if stream is None else int(stream.native_handle)

@@ -67,29 +67,30 @@ def test_what_each_controller_call_asks_of_the_runtime() -> None:
     one to the submit path, or makes a new event where the pool has a free one, fails here.
     Default mode (KVCORE_ASYNC_WRITE_BACK unset)."""
     rows = _counts()
-    # the caller's stream looked up once; its point fenced (a record, a wait); one library
+    # the caller's stream known by its handle, as the last call's (kvcore.streams.
+    # CurrentStream: no stream lookup); its point fenced (a record, a wait); one library
     # call; one completion event recorded; a load's device indices also recorded on the load
     # stream. Its CPU host indices travel in the launch (whole pages, up to
     # KVIO_INLINE_INDEX_PAGES of them): no upload through the ring
-    inline = ("event.record 2, kvio_load_layers_signaled_inline 1, stream.current 1, "
-              "stream.wait_event 1, tensor.record_stream 1")
+    inline = ("event.record 2, kvio_load_layers_signaled_inline 1, stream.wait_event 1, "
+              "tensor.record_stream 1")
     # 8 MiB (DIRECT_WRITE_BACK_MAX_BYTES): the direct kernel, which the library orders after
     # the caller's stream and whose completion it records itself (kvio_transfer_direct_after)
     assert rows[("mha", "page_first", "1")] == [
-        "kvio_transfer_direct_after 1, stream.current 1", inline, WAITS]
+        "kvio_transfer_direct_after 1", inline, WAITS]
     # 128 MiB: handed to the library's thread, which records the caller's point itself
     assert rows[("mha", "page_first", "16")][0] == (
-        "kvio_write_back_staged_async 1, stream.current 1")
+        "kvio_write_back_staged_async 1")
     # layer_first: the direct kernel's write-back, its host indices in the launch, as from
     # page_first up to DIRECT_WRITE_BACK_MAX_BYTES (here one MLA page, 2.25 MiB). The library
     # orders it after the caller's stream and records its completion
     # (kvio_transfer_direct_after): no fence or event of kvcore's
-    direct = "kvio_transfer_direct_after 1, stream.current 1"
+    direct = "kvio_transfer_direct_after 1"
     for pages in ("1", "16"):
         assert rows[("mha", "layer_first", pages)][0] == direct
     assert rows[("mla", "page_first", "1")][0] == direct
     assert rows[("mla", "page_first", "16")][0] == (  # 36 MiB
-        "kvio_write_back_staged_async 1, stream.current 1")
+        "kvio_write_back_staged_async 1")
     assert all(r[1] == inline and r[2] == WAITS for r in rows.values())
 
 
@@ -98,7 +99,7 @@ def test_what_a_controller_call_asks_of_the_runtime_with_its_indices_uploaded() 
     uploaded through the ring, on its own stream: one copy, and the transfer's stream waits
     for it (a record, a wait), on top of the calls counted above."""
     rows = _counts("--upload")
-    uploaded = "event.record 3, {}stream.current 1, stream.wait_event 2{}"
+    uploaded = "event.record 3, {}stream.wait_event 2{}"
     assert all(r[1] == uploaded.format("kvio_copy_to_device 1, kvio_load_layers_signaled 1, ",
                                        ", tensor.record_stream 1") and r[2] == WAITS
                for r in rows.values())
@@ -107,7 +108,7 @@ def test_what_a_controller_call_asks_of_the_runtime_with_its_indices_uploaded() 
     for pages in ("1", "16"):
         assert rows[("mha", "layer_first", pages)][0] == (
             "event.record 1, kvio_copy_to_device 1, kvio_transfer_direct_after 1, "
-            "stream.current 1, stream.wait_event 1")
+            "stream.wait_event 1")
 
 
 def test_per_layer_submits_of_the_same_cpu_indices_upload_them_once_and_a_change_again() -> None:

@@ -33,3 +33,4 @@ class CudaBackend(NativeBackend):
             # object or a Python frame (on every wait_layer)
             self.current_raw_stream = functools.partial(  # type: ignore[method-assign]
                 raw_current, self._index)
+            self.current_stream_handle = self.current_raw_stream
