@@ -2397,6 +2397,39 @@ cudaError_t write_back_staged_async(const uint64_t* k_ptrs, const uint64_t* v_pt
     return cudaSuccess;
 }
 
+// A job the calling thread issues (never shared with the thread): `transfer(s, guard, done,
+// &recorded)` enqueues the work on `stream` once it waits for `after_stream`'s point, then
+// `done` is recorded after it (unless the transfer recorded it itself: recorded). Its events
+// come from the pool and go back where anything fails; *job_out is set only on success.
+template <typename Transfer>
+cudaError_t issue_caller_job(void* stream, void* after_stream, void** job_out,
+                             Transfer transfer) {
+    auto job = std::make_unique<Job>();
+    job->issued = true;
+    cudaStream_t s = static_cast<cudaStream_t>(stream);
+    DeviceGuard guard;
+    KVIO_CHECK(guard.enter(s));
+    job->device = guard.device();
+    job->stream = s;
+    auto issue = [&]() -> cudaError_t {
+        KVIO_CHECK(take_job_events(job.get(), static_cast<cudaStream_t>(after_stream)));
+        if (job->after != nullptr) {
+            KVIO_CHECK(cudaStreamWaitEvent(s, job->after, 0));
+        }
+        bool recorded = false;
+        KVIO_CHECK(transfer(s, guard, job->done, &recorded));
+        return recorded ? cudaSuccess : cudaEventRecord(job->done, s);
+    };
+    const cudaError_t err = issue();
+    if (err != cudaSuccess) {
+        give_job_events(job.get());
+        return err;
+    }
+    job->done_recorded = true;
+    *job_out = job.release();
+    return cudaSuccess;
+}
+
 // kvio_write_back_staged_after: the staged write-back issued by the calling thread after
 // `after_stream`'s work so far, overlapped where it fits (transfer_staged); its completion is
 // a job that never goes to the thread.
@@ -2423,32 +2456,13 @@ cudaError_t write_back_staged_after(const uint64_t* k_ptrs, const uint64_t* v_pt
                                        staging_bytes, use_batched, stream, after_stream,
                                        bounds, job_out);
     }
-    auto job = std::make_unique<Job>();
-    job->issued = true;  // never shared with the thread
-    cudaStream_t s = static_cast<cudaStream_t>(stream);
-    DeviceGuard guard;
-    KVIO_CHECK(guard.enter(s));
-    job->device = guard.device();
-    job->stream = s;
-    auto issue = [&]() -> cudaError_t {
-        KVIO_CHECK(take_job_events(job.get(), static_cast<cudaStream_t>(after_stream)));
-        if (job->after != nullptr) {
-            KVIO_CHECK(cudaStreamWaitEvent(s, job->after, 0));
-        }
-        bool overlapped = false;
-        KVIO_CHECK(transfer_staged(kDeviceToHost, k_ptrs, v_ptrs, num_layers, host_base, layout,
+    return issue_caller_job(
+        stream, after_stream, job_out,
+        [&](cudaStream_t, const DeviceGuard&, cudaEvent_t done, bool* recorded) {
+            return transfer_staged(kDeviceToHost, k_ptrs, v_ptrs, num_layers, host_base, layout,
                                    host_idx_cpu, dev_idx, dev_idx_64, n_tokens, staging,
-                                   staging_bytes, use_batched, stream, bounds, job->done,
-                                   &overlapped));
-        return overlapped ? cudaSuccess : cudaEventRecord(job->done, s);
-    };
-    const cudaError_t err = issue();
-    if (err != cudaSuccess) {
-        give_job_events(job.get());
-        return err;
-    }
-    *job_out = job.release();
-    return cudaSuccess;
+                                   staging_bytes, use_batched, stream, bounds, done, recorded);
+        });
 }
 
 // kvio_transfer_direct_after: the direct kernel's transfer on `stream` after
@@ -2471,36 +2485,20 @@ cudaError_t transfer_direct_after(int direction, const uint64_t* k_ptrs, const u
     KVIO_CHECK(check_direct(direction, k_ptrs, layer_begin, layer_count, host_base, layout,
                             host_idx, host_idx_64, dev_idx, n_tokens, bounds, host_inline != 0,
                             &inl, &nothing));
-    auto job = std::make_unique<Job>();
-    job->issued = true;  // never shared with the thread
     if (nothing) {  // a job that finished at once (no event)
+        auto job = std::make_unique<Job>();
+        job->issued = true;
         *job_out = job.release();
         return cudaSuccess;
     }
-    cudaStream_t s = static_cast<cudaStream_t>(stream);
-    DeviceGuard guard;
-    KVIO_CHECK(guard.enter(s));
-    job->device = guard.device();
-    job->stream = s;
-    auto issue = [&]() -> cudaError_t {
-        KVIO_CHECK(take_job_events(job.get(), static_cast<cudaStream_t>(after_stream)));
-        if (job->after != nullptr) {
-            KVIO_CHECK(cudaStreamWaitEvent(s, job->after, 0));
-        }
-        KVIO_CHECK(launch_direct(direction, k_ptrs, v_ptrs, layer_begin, layer_count,
+    return issue_caller_job(
+        stream, after_stream, job_out,
+        [&](cudaStream_t s, const DeviceGuard& guard, cudaEvent_t, bool*) {
+            return launch_direct(direction, k_ptrs, v_ptrs, layer_begin, layer_count,
                                  host_base, layout, host_idx, host_idx_64, dev_idx, dev_idx_64,
                                  n_tokens, false, s, guard, *bounds,
-                                 host_inline != 0 ? &inl : nullptr));
-        return cudaEventRecord(job->done, s);
-    };
-    const cudaError_t err = issue();
-    if (err != cudaSuccess) {
-        give_job_events(job.get());
-        return err;
-    }
-    job->done_recorded = true;
-    *job_out = job.release();
-    return cudaSuccess;
+                                 host_inline != 0 ? &inl : nullptr);
+        });
 }
 
 // The status of a job: kJobPending, cudaSuccess once everything it enqueued completed, or
