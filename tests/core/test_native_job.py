@@ -266,8 +266,38 @@ class NullStreamsNative(NativeBackend):
         return int(stream.native_handle)
 
 
+def _meta_runner(lib: JobLibrary, layout: str, variant: str, calls: Any) -> Any:
+    """``variant``'s write-back runner for an MHA pool on the meta device (stand-in streams
+    counting into ``calls``; its stream handles are the streams' own)."""
+    from kvcore.backend import TransferJob
+    from kvcore.layout import Geometry, Kind, Layout, host_shape
+    from kvcore.native import native_ops
+
+    meta = torch.device("meta")
+    backend = NullStreamsNative(meta, lib, staging_bytes=1 << 20)  # type: ignore[arg-type]
+    dev = DevicePool.allocate("mha", 3, 64, 2, 64, torch.bfloat16, meta, 16)
+    g = Geometry(Kind.MHA, Layout(layout), 3, 64, 2, 64, 16)
+    host = HostPool.wrap(torch.empty(host_shape(g), dtype=torch.bfloat16), "mha", layout,
+                         3, 2, 64, 16)
+    support = next(s for s in native_ops() if s.op is Op.WRITE_BACK and s.variant == variant)
+    none = torch.empty(0, dtype=torch.int64)
+    return backend.prepare(TransferJob(
+        op=Op.WRITE_BACK, support=support, device_pool=dev, host_buffer=host.buffer,
+        host_geometry=host.geometry, host_strides=host.strides, host_indices=none,
+        device_indices=none)), host
+
+
+@pytest.fixture
+def direct_up_to_15_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The write-back sizes of :func:`_meta_runner`'s pools: up to 15 tokens through the
+    direct kernel, from 64 to the library's thread."""
+    token_bytes = 2 * 3 * 2 * 64 * 2  # K and V, 3 layers, 2 heads x 64 bf16
+    monkeypatch.setattr("kvcore.native.ASYNC_WRITE_BACK_MIN_BYTES", 64 * token_bytes)
+    monkeypatch.setattr("kvcore.native.DIRECT_WRITE_BACK_MAX_BYTES", 15 * token_bytes)
+
+
 def test_a_write_back_under_the_direct_size_goes_through_the_direct_kernel_after_a_fence(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        direct_up_to_15_tokens: None) -> None:
     """Up to DIRECT_WRITE_BACK_MAX_BYTES, where the library launches the direct kernel with
     CPU host indices (but has no kvio_transfer_direct_after), a controller write-back
     (``after`` given) is ordered after the caller's stream by a fence and goes through
@@ -275,30 +305,14 @@ def test_a_write_back_under_the_direct_size_goes_through_the_direct_kernel_after
     before, and the plan API (no ``after``) keeps the staged write-back whatever the size."""
     import collections
 
-    from kvcore.backend import TransferJob
-    from kvcore.layout import Geometry, Kind, Layout, host_shape
-    from kvcore.native import BoundsCompletion, native_ops
+    from kvcore.native import BoundsCompletion
     from kvcore.testing.stand_in_streams import NullStream, stand_in_streams
 
-    token_bytes = 2 * 3 * 2 * 64 * 2  # K and V, 3 layers, 2 heads x 64 bf16
-    monkeypatch.setattr("kvcore.native.ASYNC_WRITE_BACK_MIN_BYTES", 64 * token_bytes)
-    monkeypatch.setattr("kvcore.native.DIRECT_WRITE_BACK_MAX_BYTES", 15 * token_bytes)
     calls: collections.Counter[str] = collections.Counter()
     meta = torch.device("meta")
     with stand_in_streams(meta.type, calls):
         lib = DirectLibrary()
-        backend = NullStreamsNative(meta, lib, staging_bytes=1 << 20)  # type: ignore[arg-type]
-        dev = DevicePool.allocate("mha", 3, 64, 2, 64, torch.bfloat16, meta, 16)
-        g = Geometry(Kind.MHA, Layout.PAGE_FIRST, 3, 64, 2, 64, 16)
-        host = HostPool.wrap(torch.empty(host_shape(g), dtype=torch.bfloat16), "mha",
-                             "page_first", 3, 2, 64, 16)
-        support = next(s for s in native_ops()
-                       if s.op is Op.WRITE_BACK and s.variant == "staged")
-        none = torch.empty(0, dtype=torch.int64)
-        run = backend.prepare(TransferJob(
-            op=Op.WRITE_BACK, support=support, device_pool=dev, host_buffer=host.buffer,
-            host_geometry=host.geometry, host_strides=host.strides, host_indices=none,
-            device_indices=none))
+        run, host = _meta_runner(lib, "page_first", "staged", calls)
         stream, caller = NullStream(meta, calls), NullStream(meta, calls)
         h = torch.arange(16, 31)
         small = run(h, torch.arange(15, device=meta), None, stream, False, caller)
@@ -326,31 +340,10 @@ class AfterLibrary(DirectLibrary):
                 "kvio_job_wait", "kvio_job_release")
 
 
-def _meta_runner(lib: JobLibrary, layout: str, variant: str, calls: Any) -> Any:
-    """``variant``'s write-back runner for an MHA pool on the meta device (stand-in streams
-    counting into ``calls``; its stream handles are the streams' own)."""
-    from kvcore.backend import TransferJob
-    from kvcore.layout import Geometry, Kind, Layout, host_shape
-    from kvcore.native import native_ops
-
-    meta = torch.device("meta")
-    backend = NullStreamsNative(meta, lib, staging_bytes=1 << 20)  # type: ignore[arg-type]
-    dev = DevicePool.allocate("mha", 3, 64, 2, 64, torch.bfloat16, meta, 16)
-    g = Geometry(Kind.MHA, Layout(layout), 3, 64, 2, 64, 16)
-    host = HostPool.wrap(torch.empty(host_shape(g), dtype=torch.bfloat16), "mha", layout,
-                         3, 2, 64, 16)
-    support = next(s for s in native_ops() if s.op is Op.WRITE_BACK and s.variant == variant)
-    none = torch.empty(0, dtype=torch.int64)
-    return backend.prepare(TransferJob(
-        op=Op.WRITE_BACK, support=support, device_pool=dev, host_buffer=host.buffer,
-        host_geometry=host.geometry, host_strides=host.strides, host_indices=none,
-        device_indices=none)), host
-
-
 @pytest.mark.parametrize(("layout", "variant"), [("page_first", "staged"),
                                                  ("layer_first", "direct")])
 def test_a_direct_write_back_after_the_callers_stream_is_ordered_by_the_library(
-        monkeypatch: pytest.MonkeyPatch, layout: str, variant: str) -> None:
+        direct_up_to_15_tokens: None, layout: str, variant: str) -> None:
     """Where the library has kvio_transfer_direct_after, a controller write-back through the
     direct kernel (page_first up to DIRECT_WRITE_BACK_MAX_BYTES; every layer_first one) hands
     the library the caller's stream to follow: no fence and no event of kvcore's, its host
@@ -361,9 +354,6 @@ def test_a_direct_write_back_after_the_callers_stream_is_ordered_by_the_library(
     from kvcore.native import BoundsCompletion
     from kvcore.testing.stand_in_streams import NullStream, stand_in_streams
 
-    token_bytes = 2 * 3 * 2 * 64 * 2
-    monkeypatch.setattr("kvcore.native.ASYNC_WRITE_BACK_MIN_BYTES", 64 * token_bytes)
-    monkeypatch.setattr("kvcore.native.DIRECT_WRITE_BACK_MAX_BYTES", 15 * token_bytes)
     calls: collections.Counter[str] = collections.Counter()
     meta = torch.device("meta")
     with stand_in_streams(meta.type, calls):
