@@ -8,6 +8,7 @@ Vendor-neutral: it turns a :class:`~kvcore.backend.TransferJob` into the ABI's a
 from __future__ import annotations
 
 import ctypes
+import functools
 import itertools
 import os
 import threading
@@ -36,6 +37,7 @@ from kvcore.native_abi import (
 from kvcore.native_job import NativeJob, flush_at_exit
 from kvcore.signals import EventLayerSignals, LayerSignals
 from kvcore.streams import (
+    CurrentStream,
     Fence,
     current_stream,
     has_streams,
@@ -156,6 +158,12 @@ class NativeBackend:
     #: a lookup of the raw handle of the device's current stream that builds no stream
     #: object (:class:`kvcore.streams.CurrentStream`), where the plugin has one
     current_stream_handle: Callable[[], int] | None = None
+
+    @functools.cached_property
+    def callers_stream(self) -> CurrentStream:
+        """The device's current stream as an object, reused while it stays current (through
+        :attr:`current_stream_handle`, see :class:`~kvcore.streams.CurrentStream`)."""
+        return CurrentStream(self.device, self.current_stream_handle)
 
     def current_raw_stream(self) -> int:
         """The raw handle of the device's current stream (a subclass may look it up faster;
@@ -671,7 +679,7 @@ class NativeLayerSignals:
         self._last = (num_layers if num_layers is not None else buffer.capacity) - 1
         self._last_group = self._last // self.group
         self._end: Any = None  # the event recorded right after the launch (ends_with)
-        self._device = backend.device
+        self._callers_stream = backend.callers_stream
         self._covered: dict[int, int] = {}  # raw stream -> the groups it waits for (bits)
 
     def ends_with(self, event: Any) -> None:
@@ -706,7 +714,7 @@ class NativeLayerSignals:
         if group == self._last_group and self._end is not None:
             # (kvcore's lookup of the current stream: torch's Event.wait(None) takes several
             # microseconds more for its own)
-            self._end.wait(stream if stream is not None else current_stream(self._device))
+            self._end.wait(stream if stream is not None else self._callers_stream())
         else:
             self._wait(self._flags + 4 * min(group * g + g - 1, self._last), self.epoch, raw)
         self._covered[raw] = waited | 1 << group
