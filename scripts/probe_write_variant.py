@@ -5,11 +5,13 @@ variant), with every write-back ``staged`` (a device gather, then copies of whol
 the ``direct`` kernel forced (one kernel storing into pinned host memory, the host indices in
 its launch), with every staged write-back ``handed`` to the library's thread
 (``kvio_write_back_staged_async`` from the first byte: the caller pays the checks and the
-handover, the thread the runtime calls), as shipped with the direct kernel ``wide`` enough
-for one MHA page (DIRECT_WRITE_BACK_MAX_BYTES just over 8 MiB), and as shipped but with the
-direct kernel ``fenced`` by kvcore (torch events around kvio_transfer_direct_inline) instead
-of ordered by the library (kvio_transfer_direct_after). Rows for page_first and layer_first
-(whose write-back is always the direct kernel).
+handover, the thread the runtime calls), with the direct kernel ``narrow`` (under 4 MiB, as
+before d7e5d21: one MHA page staged), as shipped but with the direct kernel ``fenced`` by
+kvcore (torch events around kvio_transfer_direct_inline) instead of ordered by the library
+(kvio_transfer_direct_after), and as shipped but with the caller's stream looked up on every
+call (``lookup``: torch's stream object built each time, as before 754a0cc). Rows for
+page_first and layer_first (whose write-back is always the direct kernel).
+h100-2026-12-07 ran ``wide`` (8 MiB, now shipped) against a 4 MiB ``shipped``.
 
 h200-2026-12-05: an MLA write of 1 page (2.25 MiB) ran at 0.78-0.82 of the ceiling and 4 pages
 at 0.91, under issue 21's 0.85 / 0.93; MHA (8 MiB a page) at 0.905-0.915 / 0.95.
@@ -43,16 +45,18 @@ def force_direct() -> None:
 def main() -> None:
     import kvio_cuda  # noqa: F401  (reloaded between variants)
 
+    import kvcore.controller
     import kvcore.native
     from kvcore.bench.ceiling import Ceiling
     from kvcore.bench.queue import QueueCase, run_queue
     from kvcore.bench.timing import Clock
     from kvcore.layout import Kind, Layout
     from kvcore.registry import REFERENCE, default_registry, reset_default_registry
+    from kvcore.streams import CurrentStream
 
     shipped_min = kvcore.native.ASYNC_WRITE_BACK_MIN_BYTES
     shipped_direct = kvcore.native.DIRECT_WRITE_BACK_MAX_BYTES
-    variants = sys.argv[1:] or ["shipped", "fenced", "wide", "staged"] * 2
+    variants = sys.argv[1:] or ["shipped", "fenced", "lookup", "narrow", "staged"] * 2
     print("| variant | layout | kind | pages | MiB | ratio | ms/call | ceiling ms | CPU us |")
     print("|---|---|---|---|---|---|---|---|---|", flush=True)
     shipped_after = kvcore.native.DIRECT_AFTER_FUNCTIONS
@@ -60,11 +64,14 @@ def main() -> None:
         importlib.reload(sys.modules["kvio_cuda"])  # the shipped capabilities again
         kvcore.native.ASYNC_WRITE_BACK_MIN_BYTES = 1 if variant == "handed" else shipped_min
         kvcore.native.DIRECT_WRITE_BACK_MAX_BYTES = {
-            "shipped": shipped_direct, "fenced": shipped_direct,
-            "wide": (8 << 20) + 1}.get(variant, 0)
+            "shipped": shipped_direct, "fenced": shipped_direct, "lookup": shipped_direct,
+            "narrow": (4 << 20) - 1}.get(variant, 0)
         kvcore.native.DIRECT_AFTER_FUNCTIONS = (
             shipped_after | {"(none: fenced by kvcore)"} if variant == "fenced"
             else shipped_after)
+        kvcore.controller.CurrentStream = (  # type: ignore[misc]
+            (lambda device, handle: CurrentStream(device, None)) if variant == "lookup"
+            else CurrentStream)
         if variant == "direct":
             force_direct()
         reset_default_registry()
