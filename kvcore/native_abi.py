@@ -221,6 +221,26 @@ def _staged_args(k_ptrs: int, v_ptrs: int | None, num_layers: int, host_base: in
             _flag("use_batched", use_batched), _ptr("stream", stream))
 
 
+def _direction(direction: Any) -> int:
+    if direction not in (0, 1):
+        raise InvalidArgument("direction", "0 (device -> host) or 1 (host -> device)",
+                              repr(direction))
+    return int(direction)
+
+
+def _direct_args(k_ptrs: int, v_ptrs: int | None, layer_begin: int, layer_count: int,
+                 host_base: int, layout: KvioLayout | Mapping[str, int], host_idx: int,
+                 host_idx_64: int, dev_idx: int, dev_idx_64: int,
+                 n_tokens: int) -> tuple[Any, ...]:
+    """The checked arguments the direct transfers share after their direction, up to
+    n_tokens."""
+    return (_ptr("k_ptrs", k_ptrs), _ptr("v_ptrs", v_ptrs),
+            _int("layer_begin", layer_begin, _INT32), _int("layer_count", layer_count, _INT32),
+            _ptr("host_base", host_base), make_layout(layout), _ptr("host_idx", host_idx),
+            _flag("host_idx_64", host_idx_64), _ptr("dev_idx", dev_idx),
+            _flag("dev_idx_64", dev_idx_64), _int("n_tokens", n_tokens, _INT64))
+
+
 _c = ctypes
 _BOUNDS_P = ctypes.POINTER(KvioBounds)
 #: the host buffer and the index arguments of the kernels that read the indices on the device
@@ -562,9 +582,7 @@ class NativeLibrary:
         library lacks it; ``chained`` is then ignored). Raises InvalidArgument before any call
         for an argument out of range, KernelError when the library returns a nonzero status.
         """
-        if direction not in (0, 1):
-            raise InvalidArgument("direction", "0 (device -> host) or 1 (host -> device)",
-                                  repr(direction))
+        direction = _direction(direction)
         if inline and "kvio_transfer_direct_inline" not in self.optional:
             raise BuildError(f"{self._where()} does not export kvio_transfer_direct_inline")
         name = ("kvio_transfer_direct_inline" if inline
@@ -572,21 +590,10 @@ class NativeLibrary:
                 if chained and "kvio_transfer_direct_chained" in self.optional
                 else "kvio_transfer_direct")
         status = getattr(self._lib, name)(
-            direction,
-            _ptr("k_ptrs", k_ptrs),
-            _ptr("v_ptrs", v_ptrs),
-            _int("layer_begin", layer_begin, _INT32),
-            _int("layer_count", layer_count, _INT32),
-            _ptr("host_base", host_base),
-            make_layout(layout),
-            _ptr("host_idx", host_idx),
-            _flag("host_idx_64", host_idx_64),
-            _ptr("dev_idx", dev_idx),
-            _flag("dev_idx_64", dev_idx_64),
-            _int("n_tokens", n_tokens, _INT64),
-            _ptr("stream", stream),
-            _bounds(bounds),
-        )
+            direction, *_direct_args(k_ptrs, v_ptrs, layer_begin, layer_count, host_base,
+                                     layout, host_idx, host_idx_64, dev_idx, dev_idx_64,
+                                     n_tokens),
+            _ptr("stream", stream), _bounds(bounds))
         self.check(name, status)
 
     def transfer_direct_after(self, direction: int, k_ptrs: int, v_ptrs: int | None,
@@ -604,20 +611,16 @@ class NativeLibrary:
         the library lacks the functions, InvalidArgument and KernelError as
         :meth:`transfer_direct` (a refused call hands out no job).
         """
-        if direction not in (0, 1):
-            raise InvalidArgument("direction", "0 (device -> host) or 1 (host -> device)",
-                                  repr(direction))
+        direction = _direction(direction)
         function = "kvio_transfer_direct_after"
         if not self.has_direct_after():
             raise BuildError(f"{self._where()} does not export {function} and the job "
                              f"functions (rebuild the {self.name} library)")
         job = ctypes.c_void_p()
         self.check(function, self._lib.kvio_transfer_direct_after(
-            direction, _ptr("k_ptrs", k_ptrs), _ptr("v_ptrs", v_ptrs),
-            _int("layer_begin", layer_begin, _INT32), _int("layer_count", layer_count, _INT32),
-            _ptr("host_base", host_base), make_layout(layout), _ptr("host_idx", host_idx),
-            _flag("host_idx_64", host_idx_64), _ptr("dev_idx", dev_idx),
-            _flag("dev_idx_64", dev_idx_64), _int("n_tokens", n_tokens, _INT64),
+            direction, *_direct_args(k_ptrs, v_ptrs, layer_begin, layer_count, host_base,
+                                     layout, host_idx, host_idx_64, dev_idx, dev_idx_64,
+                                     n_tokens),
             _flag("host_inline", host_inline), _ptr("stream", stream),
             _ptr("after_stream", after_stream), _bounds(bounds), ctypes.byref(job)))
         return int(job.value or 0)
