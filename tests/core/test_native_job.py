@@ -162,18 +162,21 @@ def hand_over_every_size(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("kvcore.native.ASYNC_WRITE_BACK_MIN_BYTES", 1)
 
 
-def _runner(lib: JobLibrary) -> tuple[Any, DevicePool, HostPool, NativeBackend]:
+def _runner(lib: JobLibrary, backend_type: type[NativeBackend] = StreamsNative,
+            device: str = "cpu", layout: str = "page_first", variant: str = "staged",
+            ) -> tuple[Any, DevicePool, HostPool, NativeBackend]:
+    """``variant``'s write-back runner for an MHA pool (3 layers, 2 heads x 64, pages of 16)
+    on ``device`` and a ``layout`` host pool, prepared by a ``backend_type`` over ``lib``."""
     from kvcore.backend import TransferJob
+    from kvcore.layout import Geometry, Kind, Layout, host_shape
     from kvcore.native import native_ops
 
-    backend = StreamsNative(torch.device("cpu"), lib, staging_bytes=1 << 20)  # type: ignore[arg-type]
-    dev = DevicePool.allocate("mha", 3, 64, 2, 64, torch.bfloat16, "cpu", 16)
-    from kvcore.layout import Geometry, Kind, Layout, host_shape
-
-    g = Geometry(Kind.MHA, Layout.PAGE_FIRST, 3, 64, 2, 64, 16)
-    host = HostPool.wrap(torch.empty(host_shape(g), dtype=torch.bfloat16), "mha", "page_first",
+    backend = backend_type(torch.device(device), lib, staging_bytes=1 << 20)  # type: ignore[arg-type]
+    dev = DevicePool.allocate("mha", 3, 64, 2, 64, torch.bfloat16, device, 16)
+    g = Geometry(Kind.MHA, Layout(layout), 3, 64, 2, 64, 16)
+    host = HostPool.wrap(torch.empty(host_shape(g), dtype=torch.bfloat16), "mha", layout,
                          3, 2, 64, 16)
-    support = next(s for s in native_ops() if s.op is Op.WRITE_BACK and s.variant == "staged")
+    support = next(s for s in native_ops() if s.op is Op.WRITE_BACK and s.variant == variant)
     none = torch.empty(0, dtype=torch.int64)
     job = TransferJob(op=Op.WRITE_BACK, support=support, device_pool=dev,
                       host_buffer=host.buffer, host_geometry=host.geometry,
@@ -266,25 +269,11 @@ class NullStreamsNative(NativeBackend):
         return int(stream.native_handle)
 
 
-def _meta_runner(lib: JobLibrary, layout: str, variant: str, calls: Any) -> Any:
-    """``variant``'s write-back runner for an MHA pool on the meta device (stand-in streams
-    counting into ``calls``; its stream handles are the streams' own)."""
-    from kvcore.backend import TransferJob
-    from kvcore.layout import Geometry, Kind, Layout, host_shape
-    from kvcore.native import native_ops
-
-    meta = torch.device("meta")
-    backend = NullStreamsNative(meta, lib, staging_bytes=1 << 20)  # type: ignore[arg-type]
-    dev = DevicePool.allocate("mha", 3, 64, 2, 64, torch.bfloat16, meta, 16)
-    g = Geometry(Kind.MHA, Layout(layout), 3, 64, 2, 64, 16)
-    host = HostPool.wrap(torch.empty(host_shape(g), dtype=torch.bfloat16), "mha", layout,
-                         3, 2, 64, 16)
-    support = next(s for s in native_ops() if s.op is Op.WRITE_BACK and s.variant == variant)
-    none = torch.empty(0, dtype=torch.int64)
-    return backend.prepare(TransferJob(
-        op=Op.WRITE_BACK, support=support, device_pool=dev, host_buffer=host.buffer,
-        host_geometry=host.geometry, host_strides=host.strides, host_indices=none,
-        device_indices=none)), host
+def _meta_runner(lib: JobLibrary, layout: str, variant: str) -> tuple[Any, HostPool]:
+    """:func:`_runner` on the meta device under stand-in streams (its stream handles are the
+    streams' own): the runner and the host pool."""
+    run, _, host, _ = _runner(lib, NullStreamsNative, "meta", layout, variant)
+    return run, host
 
 
 @pytest.fixture
@@ -312,7 +301,7 @@ def test_a_write_back_under_the_direct_size_goes_through_the_direct_kernel_after
     meta = torch.device("meta")
     with stand_in_streams(meta.type, calls):
         lib = DirectLibrary()
-        run, host = _meta_runner(lib, "page_first", "staged", calls)
+        run, host = _meta_runner(lib, "page_first", "staged")
         stream, caller = NullStream(meta, calls), NullStream(meta, calls)
         h = torch.arange(16, 31)
         small = run(h, torch.arange(15, device=meta), None, stream, False, caller)
@@ -358,7 +347,7 @@ def test_a_direct_write_back_after_the_callers_stream_is_ordered_by_the_library(
     meta = torch.device("meta")
     with stand_in_streams(meta.type, calls):
         lib = AfterLibrary()
-        run, host = _meta_runner(lib, layout, variant, calls)
+        run, host = _meta_runner(lib, layout, variant)
         assert run.follows is True
         stream, caller = NullStream(meta, calls), NullStream(meta, calls)
         h = torch.arange(16, 31)
@@ -394,7 +383,7 @@ def test_a_direct_write_back_after_refuses_cpu_host_indices_beyond_the_launchs_r
     calls: dict[str, int] = {}
     with stand_in_streams(meta.type, calls):
         lib = AfterLibrary()
-        run, _ = _meta_runner(lib, "layer_first", "direct", calls)
+        run, _ = _meta_runner(lib, "layer_first", "direct")
         stream, caller = NullStream(meta, calls), NullStream(meta, calls)
         with pytest.raises(InvalidArgument, match="host_indices"):
             run(torch.arange(16), torch.arange(16, device=meta), None, stream, False, caller)
