@@ -35,6 +35,20 @@ __global__ void __launch_bounds__(256, 4) param_kernel(const Big p) {
     if (p.bytes[threadIdx.x] == 127 && blockIdx.x == 100000) asm volatile("trap;");
 }
 
+// the inline copies' launch: CopyParams beside InlineIndices (3.8 KiB in all), against the
+// same kernel with a small index block: what the parameter bytes alone cost the CPU
+template <int N>
+struct Indices {
+    int32_t v[N];
+    uint32_t page_shift;
+};
+
+template <int N>
+__global__ void __launch_bounds__(256, 4) inline_kernel(const Big p,
+                                                        const __grid_constant__ Indices<N> inl) {
+    if (p.bytes[threadIdx.x] == 127 && inl.v[threadIdx.x % N] == blockIdx.x) asm volatile("trap;");
+}
+
 static double median_us(std::vector<double>& v) {
     std::sort(v.begin(), v.end());
     return v[v.size() / 2];
@@ -99,6 +113,10 @@ int main() {
              cfg.numAttrs = 1;
              CK(cudaLaunchKernelEx(&cfg, param_kernel, big));
          }},
+        {"256 B + 3.8 KiB (960 indices) param kernel, 528 blocks",
+         [&] { inline_kernel<960><<<528, 256, 0, s>>>(big, Indices<960>{}); }},
+        {"256 B + 68 B (16 indices) param kernel, 528 blocks",
+         [&] { inline_kernel<16><<<528, 256, 0, s>>>(big, Indices<16>{}); }},
         {"cudaMemcpyAsync D2H 1 MiB",
          [&] { CK(cudaMemcpyAsync(host, dev, kRun, cudaMemcpyDeviceToHost, s)); }},
         {"cudaMemcpyAsync H2D 1 MiB",
