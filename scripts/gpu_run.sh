@@ -9,7 +9,8 @@
 #
 # DEADLINE_S bounds the whole run (each step's limit shrinks to fit), so the results are
 # always packed. The seed table may take longer than one run: SEED_ARGS narrows it and
-# SEED_TAG names its files (bench_seed_TAG.jsonl.gz), and `kvio bench --merge` joins the runs.
+# SEED_TAG names its files (bench_seed_TAG.jsonl.gz), and `kvio bench --merge` joins the runs;
+# scripts/seed_bars.py checks each run's rows against their bars (seed_bars_TAG.log).
 # The seed bench stops starting cases SEED_MARGIN_S (default 60) before the deadline; the
 # pure-torch reference is slow: SEED_REFERENCE_REPEAT=1 times its rows by their oracle call
 # alone (then the whole table with the reference took 457 s on an H200).
@@ -92,6 +93,8 @@ seed)
     tag=${SEED_TAG:-all}
     budget=$(( ${DEADLINE_S:-100000} - SECONDS - ${SEED_MARGIN_S:-60} ))
     step "bench_seed_$tag" ${SEED_S:-3600} "${KVIO[@]}" bench --through kernel --preset seed --layout ${SEED_LAYOUTS:-page_first,layer_first} ${SEED_ARGS:-} --backend cuda --backend reference --warmup ${BENCH_WARMUP:-1} --repeat 5 ${SEED_REFERENCE_REPEAT:+--reference-repeat "$SEED_REFERENCE_REPEAT"} --time-limit "$budget" --markdown "$R/bench_seed_$tag.md" --json "$R/bench_seed_$tag.jsonl.gz"
+    [ -s "$R/bench_seed_$tag.jsonl.gz" ] && $PY scripts/seed_bars.py "$R/bench_seed_$tag.jsonl.gz" > "$R/seed_bars_$tag.log" 2>&1
+    tail -n 12 "$R/seed_bars_$tag.log" 2>/dev/null
     ;;
 replay)
     step replay_cuda 120 "${KVIO[@]}" replay --device cuda --min-transfers 1000000 --concurrency 128 --sessions 1024 --log "$R/replay_cuda.jsonl"
