@@ -8,8 +8,10 @@ The bars, by op, host layout and bytes per token and layer (``element_bytes``):
 - per-layer load: page_first 0.85 up to 1024 B and 0.90 above, layer_first 0.90.
 
 Prints how many rows reach their bar, each path's range, and every row below its bar with
-its spread (a row below its bar with a high spread is worth timing again before blaming the
-code).
+its spread, its attempts and how slow the run's ceiling copy ran around it. A row the bench
+still found disturbed after its last attempt (its ceiling copy more than the run's
+``slowdown_tolerance`` slow, or its samples spread more than ``spread_tolerance``) is marked
+``disturbed``: time it again before blaming the code.
 
     python scripts/seed_bars.py docs/benchmarks/h200-2026-12-07/bench_seed_full.jsonl.gz
 """
@@ -35,13 +37,27 @@ def bar(row: dict[str, Any]) -> float:
 
 
 def rows(path: Path, backend: str) -> list[dict[str, Any]]:
-    """The rows of ``backend`` in a bench JSON file (gzip-compressed JSON lines or not)."""
+    """The rows of ``backend`` in a bench JSON file (gzip-compressed JSON lines or not), each
+    with the run's ``settings`` under ``_settings``."""
     opener = gzip.open if path.suffix == ".gz" else open
     with opener(path, "rt") as f:
         text = f.read()
-    records = [json.loads(line) for line in text.splitlines() if line.strip()] \
-        if "\n{" in text else json.loads(text).get("rows", [])
-    return [r for r in records if "op" in r and r.get("backend") == backend]
+    if "\n{" in text:
+        records = [json.loads(line) for line in text.splitlines() if line.strip()]
+        settings = records[0].get("settings", {}) if records else {}
+    else:
+        run = json.loads(text)
+        records, settings = run.get("rows", []), run.get("settings", {})
+    return [dict(r, _settings=settings) for r in records
+            if "op" in r and r.get("backend") == backend]
+
+
+def disturbed(row: dict[str, Any]) -> bool:
+    """Whether the bench still found ``row``'s timing disturbed after its last attempt."""
+    settings = row["_settings"]
+    spread = row.get("timing", {}).get("spread_pct", 0.0) / 100
+    return (row.get("host_slowdown", 0.0) > settings.get("slowdown_tolerance", 0.03)
+            or spread > settings.get("spread_tolerance", 0.05))
 
 
 def main() -> int:
@@ -68,7 +84,12 @@ def main() -> int:
         spread = r.get("timing", {}).get("spread_pct", float("nan"))
         print(f"below: {r['op']} {r['layout']} {r['kind']} {r['num_layers']} layers "
               f"{r['element_bytes']} B: {r['status']} {r.get('ratio', 0):.3f} < {bar(r):.2f} "
-              f"(spread {spread:.1f}%)")
+              f"(spread {spread:.1f}%, {r.get('attempts', 1)} attempt(s), ceiling "
+              f"{100 * r.get('host_slowdown', 0.0):.1f}% slow"
+              f"{'; disturbed' if disturbed(r) else ''})")
+    if below:
+        print(f"{sum(map(disturbed, below))} of the {len(below)} below their bar were "
+              "disturbed on their last attempt")
     return 1 if below else 0
 
 
