@@ -7,13 +7,20 @@ caller's thread. Prints, per row, the median us of the whole ``write()``, of the
 calls inside it (by function) and of the rest (kvcore's Python and torch's runtime calls), and
 the same with the device idle before each call.
 
+``(thread CPU)`` is the CPU time the calling thread spent inside ``write()``
+(``time.thread_time``): well under the wall time, the thread waited (a lock, the scheduler,
+the runtime) rather than computed. ``--no-gc`` turns Python's collector off while timing;
+``--queues N`` times N queues per row, for more samples.
+
     python scripts/probe_write_parts.py [--pages 1,16,64] [--layouts page_first,layer_first]
+    python scripts/probe_write_parts.py --pages 64 --queues 8 --no-gc
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import gc
 import statistics
 import time
 from typing import Any
@@ -47,9 +54,10 @@ class TimedLibrary:
         return call
 
 
-def rows(layout: str, pages: int, calls: int) -> list[tuple[str, float, dict[str, float]]]:
-    """(mode, median us of write(), median us of its parts) queued, then with the device
-    idle before each call."""
+def rows(layout: str, pages: int, calls: int,
+         queues: int = 1) -> list[tuple[str, float, dict[str, float]]]:
+    """(mode, median us of write(), median us of its parts) over ``queues`` queues of
+    ``calls``, then with the device idle before each call."""
     n = pages * P
     dev = DevicePool.allocate("mha", LAYERS, 2 * n, 8, 128, torch.bfloat16, "cuda", P)
     host = allocate_host_pool("mha", layout, LAYERS, (calls + 2) * n, 8, 128, torch.bfloat16,
@@ -68,32 +76,36 @@ def rows(layout: str, pages: int, calls: int) -> list[tuple[str, float, dict[str
             for ack in ctl.wait_acks():
                 ctl.free_host(ack.host_indices)
         for mode in ("queue", "idle"):
-            torch.cuda.synchronize()
             totals: list[float] = []
+            thread: list[float] = []
             parts: dict[str, list[float]] = collections.defaultdict(list)
-            acks = []
-            for i in range(calls):
-                if mode == "idle":
-                    acks += ctl.wait_acks()
-                    torch.cuda.synchronize()
-                spent.clear()
-                t0 = time.perf_counter()
-                ctl.write(d)
-                totals.append(time.perf_counter() - t0)
-                for name in spent:
-                    parts[name] += [0.0] * (i - len(parts[name]))
-                    parts[name].append(spent[name])
-                acks += ctl.poll_acks()
-            acks += ctl.wait_acks()
-            for ack in acks:
-                ctl.free_host(ack.host_indices)
+            for _ in range(queues):
+                torch.cuda.synchronize()
+                acks = []
+                for _ in range(calls):
+                    if mode == "idle":
+                        acks += ctl.wait_acks()
+                        torch.cuda.synchronize()
+                    spent.clear()
+                    c0, t0 = time.thread_time(), time.perf_counter()
+                    ctl.write(d)
+                    totals.append(time.perf_counter() - t0)
+                    thread.append(time.thread_time() - c0)
+                    for name in spent:
+                        parts[name] += [0.0] * (len(totals) - 1 - len(parts[name]))
+                        parts[name].append(spent[name])
+                    acks += ctl.poll_acks()
+                acks += ctl.wait_acks()
+                for ack in acks:
+                    ctl.free_host(ack.host_indices)
             for v in parts.values():
-                v += [0.0] * (calls - len(v))
-            library = [sum(v[i] for v in parts.values()) for i in range(calls)]
+                v += [0.0] * (len(totals) - len(v))
+            library = [sum(v[i] for v in parts.values()) for i in range(len(totals))]
             us = {name: 1e6 * statistics.median(v) for name, v in parts.items()}
             us["(library, all)"] = 1e6 * statistics.median(library)
             rest = [t - x for t, x in zip(totals, library, strict=True)]
             us["(rest)"] = 1e6 * statistics.median(rest)
+            us["(thread CPU)"] = 1e6 * statistics.median(thread)
             out.append((mode, 1e6 * statistics.median(totals), us))
         torch.cuda.synchronize()
     finally:
@@ -105,10 +117,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--pages", default="1,16,64")
     ap.add_argument("--layouts", default="page_first,layer_first")
+    ap.add_argument("--queues", type=int, default=1, help="queues timed per row")
+    ap.add_argument("--no-gc", action="store_true", help="Python's collector off while timing")
     args = ap.parse_args()
+    if args.no_gc:
+        gc.collect()
+        gc.disable()
     for layout in args.layouts.split(","):
         for pages in (int(p) for p in args.pages.split(",")):
-            for mode, total, parts in rows(layout, pages, max(8, min(200, 512 // pages))):
+            calls = max(8, min(200, 512 // pages))
+            for mode, total, parts in rows(layout, pages, calls, args.queues):
                 shown = ", ".join(f"{k} {v:.1f}" for k, v in sorted(parts.items()) if v >= 0.1)
                 print(f"{layout} {pages:>3}p {mode:5s} write() {total:6.1f} us | {shown}",
                       flush=True)
