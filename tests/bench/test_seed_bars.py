@@ -2,54 +2,65 @@
 
 from __future__ import annotations
 
-import gzip
-import json
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+
+import torch
+
+from kvcore.bench.report import json_bytes
+from kvcore.bench.row import Row
+from kvcore.bench.runner import BenchResult
+from kvcore.bench.sweep import Case
+from kvcore.bench.timing import Timing
+from kvcore.layout import Kind, Layout, Op
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "seed_bars.py"
-SETTINGS = {"slowdown_tolerance": 0.03, "spread_tolerance": 0.05}
+CEILING_MS = 1.0
 
 
-def _row(op: str, layout: str, element_bytes: int, ratio: float, backend: str = "cuda",
-         spread: float = 0.5, slowdown: float = 0.0) -> dict[str, Any]:
-    return {"backend": backend, "op": op, "layout": layout, "kind": "mha", "num_layers": 32,
-            "element_bytes": element_bytes, "variant": "v", "status": "ok", "ratio": ratio,
-            "timing": {"spread_pct": spread}, "host_slowdown": slowdown, "attempts": 1}
+def _row(op: Op, layout: Layout, element_dim: int, ratio: float, backend: str = "cuda",
+         spread: float = 0.0, layers: int = 32) -> Row:
+    """A row of bf16 elements of ``element_dim`` (2 B each) that read ``ratio`` of a 1 ms
+    ceiling, its samples spread by ``spread`` (0.07 = 7%) around their median."""
+    case = Case(op=op, kind=Kind.MHA, layout=layout, dtype=torch.bfloat16, page_size=64,
+                batch_pages=64, total_pages=128, num_layers=layers, element_dim=element_dim)
+    median = CEILING_MS / ratio
+    samples = (median * (1 - spread / 2), median, median * (1 + spread / 2))
+    return Row(case=case, backend=backend, variant="v", timing=Timing(samples),
+               ceiling=Timing((CEILING_MS,)), ceiling_kind="d2h", host_slowdown=0.0)
 
 
-def _run(tmp_path: Path, rows: list[dict[str, Any]]) -> subprocess.CompletedProcess[str]:
+def _run(tmp_path: Path, rows: list[Row]) -> subprocess.CompletedProcess[str]:
+    result = BenchResult(rows=rows, machine={}, backends=[], started="2026-12-07T00:00:00",
+                         settings={"slowdown_tolerance": 0.03, "spread_tolerance": 0.05})
     path = tmp_path / "run.jsonl.gz"
-    with gzip.open(path, "wt") as f:
-        for record in [{"schema": "kvcore.bench/1", "settings": SETTINGS}, *rows]:
-            f.write(json.dumps(record) + "\n")
+    path.write_bytes(json_bytes(result, "kvio bench --preset seed", str(path)))
     return subprocess.run([sys.executable, str(SCRIPT), str(path)], capture_output=True,
                           text=True, check=False)
 
 
 def test_rows_at_their_bars_pass(tmp_path: Path) -> None:
-    """Each path's bar, met exactly; the reference's rows are not judged."""
-    out = _run(tmp_path, [_row("write_back", "page_first", 512, 0.95),
-                          _row("write_back", "layer_first", 512, 0.90),
-                          _row("load_all", "page_first", 4096, 0.90),
-                          _row("load_layer", "page_first", 1024, 0.85),
-                          _row("load_layer", "page_first", 2048, 0.90),
-                          _row("load_layer", "layer_first", 512, 0.90),
-                          _row("load_layer", "layer_first", 512, 0.05, backend="reference")])
-    assert out.returncode == 0, out.stdout
+    """Each path's bar, met; the reference's rows are not judged."""
+    wb, la, ll = Op.WRITE_BACK, Op.LOAD_ALL, Op.LOAD_LAYER
+    pf, lf = Layout.PAGE_FIRST, Layout.LAYER_FIRST
+    out = _run(tmp_path, [_row(wb, pf, 256, 0.951), _row(wb, lf, 256, 0.901),
+                          _row(la, pf, 2048, 0.901), _row(ll, pf, 512, 0.851),
+                          _row(ll, pf, 1024, 0.901), _row(ll, lf, 256, 0.901),
+                          _row(ll, lf, 256, 0.05, backend="reference", layers=16)])
+    assert out.returncode == 0, out.stdout + out.stderr
     assert out.stdout.startswith("6 of 6 cuda rows at their bar")
 
 
 def test_a_row_below_its_bar_fails_and_says_whether_it_was_disturbed(tmp_path: Path) -> None:
     """A page_first write-back at 0.949 misses its 0.95 (the 0.90 of the other paths would
-    pass it); a noisy row below its bar is marked disturbed, a steady one is not."""
-    out = _run(tmp_path, [_row("write_back", "page_first", 512, 0.949),
-                          _row("load_layer", "layer_first", 512, 0.82, spread=7.0),
-                          _row("load_layer", "page_first", 512, 0.86)])
-    assert out.returncode == 1
+    pass it); a row below its bar whose samples spread more than the run's tolerance is
+    marked disturbed, a steady one is not."""
+    out = _run(tmp_path, [_row(Op.WRITE_BACK, Layout.PAGE_FIRST, 256, 0.949),
+                          _row(Op.LOAD_LAYER, Layout.LAYER_FIRST, 256, 0.82, spread=0.07),
+                          _row(Op.LOAD_LAYER, Layout.PAGE_FIRST, 256, 0.86, layers=16)])
+    assert out.returncode == 1, out.stderr
     lines = out.stdout.splitlines()
     assert lines[0] == "1 of 3 cuda rows at their bar"
     below = [line for line in lines if line.startswith("below:")]
