@@ -23,7 +23,6 @@ from kvcore.capabilities import HostMemory, IndexSpec, OpSupport, Residency, op_
 from kvcore.errors import InvalidArgument, InvalidIndices, TransferFailed
 from kvcore.layout import ByteStrides, Kind, Layout, Op, contiguous_page_layouts, layouts_for
 from kvcore.native_abi import (
-    DIRECT_AFTER_FUNCTIONS,
     REPORT_BYTES,
     REPORT_DEVICE_EPOCH,
     REPORT_DEVICE_VALUE,
@@ -337,8 +336,7 @@ class NativeBackend:
         ``after``, or without the function, ``run_direct`` (then not ``follows``: the plan
         fences)."""
         lib = self.lib
-        if not DIRECT_AFTER_FUNCTIONS <= frozenset(getattr(lib, "optional", ())) \
-                or not hasattr(lib, "unchecked"):
+        if not (self._offers("has_direct_after") and hasattr(lib, "unchecked")):
             return run_direct
         after_fn = lib.unchecked("kvio_transfer_direct_after")
         inline_tokens: int | None = getattr(run_direct, "inline_host_tokens", None)

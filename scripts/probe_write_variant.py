@@ -47,6 +47,7 @@ def main() -> None:
 
     import kvcore.controller
     import kvcore.native
+    import kvcore.native_abi
     from kvcore.bench.ceiling import Ceiling
     from kvcore.bench.queue import QueueCase, run_queue
     from kvcore.bench.timing import Clock
@@ -59,14 +60,14 @@ def main() -> None:
     variants = sys.argv[1:] or ["shipped", "fenced", "lookup", "narrow", "staged"] * 2
     print("| variant | layout | kind | pages | MiB | ratio | ms/call | ceiling ms | CPU us |")
     print("|---|---|---|---|---|---|---|---|---|", flush=True)
-    shipped_after = kvcore.native.DIRECT_AFTER_FUNCTIONS
+    shipped_after = kvcore.native_abi.DIRECT_AFTER_FUNCTIONS
     for variant in variants:
         importlib.reload(sys.modules["kvio_cuda"])  # the shipped capabilities again
         kvcore.native.ASYNC_WRITE_BACK_MIN_BYTES = 1 if variant == "handed" else shipped_min
         kvcore.native.DIRECT_WRITE_BACK_MAX_BYTES = {
             "shipped": shipped_direct, "fenced": shipped_direct, "lookup": shipped_direct,
             "narrow": (4 << 20) - 1}.get(variant, 0)
-        kvcore.native.DIRECT_AFTER_FUNCTIONS = (
+        kvcore.native_abi.DIRECT_AFTER_FUNCTIONS = (
             shipped_after | {"(none: fenced by kvcore)"} if variant == "fenced"
             else shipped_after)
         kvcore.controller.CurrentStream = (  # type: ignore[misc]

@@ -328,6 +328,9 @@ class AfterLibrary(DirectLibrary):
     optional = (*DirectLibrary.optional, "kvio_transfer_direct_after", "kvio_job_status",
                 "kvio_job_wait", "kvio_job_release")
 
+    def has_direct_after(self) -> bool:
+        return True
+
 
 @pytest.mark.parametrize(("layout", "variant"), [("page_first", "staged"),
                                                  ("layer_first", "direct")])

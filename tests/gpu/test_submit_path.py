@@ -75,7 +75,7 @@ def handover(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setattr("kvcore.native.DIRECT_WRITE_BACK_MAX_BYTES",
                         1 << 62 if request.param.startswith("direct") else 0)
     if request.param == "direct_fenced":
-        monkeypatch.setattr("kvcore.native.DIRECT_AFTER_FUNCTIONS",
+        monkeypatch.setattr("kvcore.native_abi.DIRECT_AFTER_FUNCTIONS",
                             frozenset({"kvio_transfer_direct_after", "no such function"}))
     return str(request.param)
 
