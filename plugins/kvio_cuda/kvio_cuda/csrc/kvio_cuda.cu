@@ -2314,6 +2314,14 @@ JobQueue& job_queue() {
     return *queue;
 }
 
+// A job that has already finished: nothing enqueued, no event, never on the thread (the
+// answer to a call that moves nothing).
+void* finished_job() {
+    auto job = std::make_unique<Job>();
+    job->issued = true;
+    return job.release();
+}
+
 // What both staged write-back job forms do before anything else: check every argument (the
 // same checks and errors as kvio_write_back_staged), and answer a call that moves nothing with
 // a job that has already finished (no event, no thread) in *job_out; otherwise *job_out stays
@@ -2330,9 +2338,7 @@ cudaError_t begin_write_back_job(const uint64_t* k_ptrs, const uint64_t* v_ptrs,
     KVIO_CHECK(check_staged(kDeviceToHost, k_ptrs, v_ptrs, num_layers, host_base, layout,
                             host_idx_cpu, dev_idx, n_tokens, staging, staging_bytes, bounds));
     if (n_tokens == 0) {
-        auto job = std::make_unique<Job>();
-        job->issued = true;
-        *job_out = job.release();
+        *job_out = finished_job();
     }
     return cudaSuccess;
 }
@@ -2485,10 +2491,8 @@ cudaError_t transfer_direct_after(int direction, const uint64_t* k_ptrs, const u
     KVIO_CHECK(check_direct(direction, k_ptrs, layer_begin, layer_count, host_base, layout,
                             host_idx, host_idx_64, dev_idx, n_tokens, bounds, host_inline != 0,
                             &inl, &nothing));
-    if (nothing) {  // a job that finished at once (no event)
-        auto job = std::make_unique<Job>();
-        job->issued = true;
-        *job_out = job.release();
+    if (nothing) {
+        *job_out = finished_job();
         return cudaSuccess;
     }
     return issue_caller_job(
