@@ -9,7 +9,9 @@ the same with the device idle before each call.
 
 ``(thread CPU)`` is the CPU time the calling thread spent inside ``write()``
 (``time.thread_time``): well under the wall time, the thread waited (a lock, the scheduler,
-the runtime) rather than computed. ``--no-gc`` turns Python's collector off while timing;
+the runtime) rather than computed. ``(page faults, mean)`` counts the calling thread's minor
+page faults inside ``write()`` (first touches of memory the process had not used, or had given
+back), per call. ``--no-gc`` turns Python's collector off while timing;
 ``--queues N`` times N queues per row, for more samples.
 
     python scripts/probe_write_parts.py [--pages 1,16,64] [--layouts page_first,layer_first]
@@ -21,6 +23,7 @@ from __future__ import annotations
 import argparse
 import collections
 import gc
+import resource
 import statistics
 import time
 from typing import Any
@@ -78,6 +81,7 @@ def rows(layout: str, pages: int, calls: int,
         for mode in ("queue", "idle"):
             totals: list[float] = []
             thread: list[float] = []
+            faults: list[int] = []
             parts: dict[str, list[float]] = collections.defaultdict(list)
             for _ in range(queues):
                 torch.cuda.synchronize()
@@ -87,10 +91,12 @@ def rows(layout: str, pages: int, calls: int,
                         acks += ctl.wait_acks()
                         torch.cuda.synchronize()
                     spent.clear()
+                    f0 = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
                     c0, t0 = time.thread_time(), time.perf_counter()
                     ctl.write(d)
                     totals.append(time.perf_counter() - t0)
                     thread.append(time.thread_time() - c0)
+                    faults.append(resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - f0)
                     for name in spent:
                         parts[name] += [0.0] * (len(totals) - 1 - len(parts[name]))
                         parts[name].append(spent[name])
@@ -106,6 +112,7 @@ def rows(layout: str, pages: int, calls: int,
             rest = [t - x for t, x in zip(totals, library, strict=True)]
             us["(rest)"] = 1e6 * statistics.median(rest)
             us["(thread CPU)"] = 1e6 * statistics.median(thread)
+            us["(page faults, mean)"] = statistics.mean(faults)
             out.append((mode, 1e6 * statistics.median(totals), us))
         torch.cuda.synchronize()
     finally:
