@@ -62,10 +62,24 @@ def host_speed() -> dict[str, float]:
     them. Empty where timing fails."""
     out: dict[str, float] = {}
     with contextlib.suppress(Exception):
-        for name, stmt, setup, number in HOST_SPEED_STEPS:
-            best = min(timeit.repeat(stmt, setup, repeat=5, number=number))
-            out[name] = round(1e9 * best / number, 1)
+        for step in HOST_SPEED_STEPS:
+            out[step[0]] = _ns_per(step)
     return out
+
+
+def python_call_ns() -> float | None:
+    """:func:`host_speed`'s Python call alone (about 5 ms), for timing the host again beside
+    each row of a run: one host's speed moved 2.7x within minutes (docs/benchmarks/
+    h200-2026-12-07). None where timing fails."""
+    with contextlib.suppress(Exception):
+        return _ns_per(HOST_SPEED_STEPS[0])
+    return None
+
+
+def _ns_per(step: tuple[str, str, str, int]) -> float:
+    """ns per statement of a :data:`HOST_SPEED_STEPS` step, the best of five samples."""
+    _, stmt, setup, number = step
+    return round(1e9 * min(timeit.repeat(stmt, setup, repeat=5, number=number)) / number, 1)
 
 
 def measured_environment() -> dict[str, str]:

@@ -24,7 +24,10 @@ loads each followed by ``wait_layer`` of every layer on the caller's stream, and
   before it. It is the larger of the two, mostly for cold caches: without any device, a call
   after 2 ms of other work on the caller's thread costs two to five times a warm one
   (``scripts/probe_cold_calls.py``, h100-2026-12-06d); a deep queue does not slow the
-  caller's runtime calls down.
+  caller's runtime calls down;
+- ``host_call_ns`` (the tables' ``host ns/Python call``): one Python call's time on this host,
+  taken just before the row's queues. The CPU columns follow it, and one host's moved 2.7x
+  within minutes (h200-2026-12-07), so it is read beside each row, not once per run.
 
 Each queue runs ``repeats`` times after one untimed warm-up queue; the fastest is kept, and
 ``spread%`` says how far the slowest was from it.
@@ -41,6 +44,7 @@ import attrs
 import torch
 
 from kvcore.bench.ceiling import Ceiling
+from kvcore.bench.machine import python_call_ns
 from kvcore.bench.sweep import MHA_HEAD_DIM
 from kvcore.bench.timing import gib_per_s
 from kvcore.controller import HiCacheController
@@ -112,6 +116,9 @@ class QueueRow:
     cpu_idle_us: float | None = None
     #: the fastest queue's median CPU per call, its waits included (what caller_share divides)
     busy_us: float | None = None
+    #: ns of one Python call on this host, timed just before the row's queues (its CPU
+    #: times follow it: :func:`kvcore.bench.machine.python_call_ns`)
+    host_call_ns: float | None = None
 
     @property
     def ratio(self) -> float | None:
@@ -144,13 +151,14 @@ class QueueRow:
                          getattr(torch, f["dtype"]))
         return cls(case, f["backend"], f["ms_per_call"], f["ceiling_ms"], f["cpu_us"],
                    f["wait_us"], f.get("spread_pct"), f["error"], f.get("cpu_idle_us"),
-                   f.get("busy_us"))
+                   f.get("busy_us"), f.get("host_call_ns"))
 
     def facts(self) -> dict[str, Any]:
         return {"backend": self.backend, **self.case.facts(), "ms_per_call": self.ms_per_call,
                 "ceiling_ms": self.ceiling_ms, "ratio": self.ratio, "gib_s": self.gib_s,
                 "cpu_us": self.cpu_us, "cpu_idle_us": self.cpu_idle_us, "wait_us": self.wait_us,
-                "busy_us": self.busy_us, "spread_pct": self.spread_pct, "error": self.error}
+                "busy_us": self.busy_us, "host_call_ns": self.host_call_ns,
+                "spread_pct": self.spread_pct, "error": self.error}
 
 
 def queue_cases(pages: tuple[int, ...], kinds: tuple[Kind, ...], layouts: tuple[Layout, ...],
@@ -268,6 +276,7 @@ def _run(case: QueueCase, backend: str, registry: Registry, device: torch.device
         return cpu
 
     one_queue()  # warm-up: first-use allocations, lazy library loads
+    host_call_ns = python_call_ns()
     ceiling.sample(case.direction, case.bytes_per_call)
     runs = [one_queue() for _ in range(repeats)]
     idle = paced(min(case.calls, PACED_CALLS))
@@ -282,7 +291,8 @@ def _run(case: QueueCase, backend: str, registry: Registry, device: torch.device
         spread_pct=100.0 * (slowest - best[0]) / best[0] if best[0] > 0 else 0.0,
         cpu_idle_us=1e6 * statistics.median(idle),
         busy_us=1e6 * (statistics.median(best[1])
-                       + (statistics.median(best[2]) if best[2] else 0.0)))
+                       + (statistics.median(best[2]) if best[2] else 0.0)),
+        host_call_ns=host_call_ns)
 
 
 def _synchronizer(device: torch.device) -> Callable[[], None]:
@@ -296,21 +306,22 @@ def markdown_rows(rows: list[QueueRow]) -> list[str]:
     """A markdown table of queue rows."""
     lines = ["| backend | op | kind | layout | pages | MiB/call | calls | ms/call | GiB/s | "
              "ceil GiB/s | ratio | CPU us/call | CPU us/call, device idle | wait_layer us | "
-             "caller busy | spread% |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "caller busy | host ns/Python call | spread% |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         c = r.case
         head = (f"| {r.backend} | {c.op} | {c.kind.value} | {c.layout.value} | {c.pages} | "
                 f"{c.bytes_per_call / MIB:.0f} | {c.calls} | ")
         if r.error is not None:
-            lines.append(head + f"failed: {r.error} |||||||||")
+            lines.append(head + f"failed: {r.error} ||||||||||")
             continue
         ceil_gib = gib_per_s(c.bytes_per_call, r.ceiling_ms or 0.0)
         wait = f"{r.wait_us:.0f}" if r.wait_us is not None else "-"
         idle = f"{r.cpu_idle_us:.0f}" if r.cpu_idle_us is not None else "-"
         busy = f"{r.caller_share:.0%}" if r.caller_share is not None else "-"
+        host = f"{r.host_call_ns:.0f}" if r.host_call_ns is not None else "-"
         lines.append(head + f"{r.ms_per_call:.3f} | {r.gib_s:.1f} | {ceil_gib:.1f} | "
-                     f"{r.ratio:.3f} | {r.cpu_us:.0f} | {idle} | {wait} | {busy} | "
+                     f"{r.ratio:.3f} | {r.cpu_us:.0f} | {idle} | {wait} | {busy} | {host} | "
                      f"{r.spread_pct:.1f} |")
     return lines
 

@@ -189,7 +189,8 @@ def controller_section(result: BenchResult, heading: str = "") -> list[str]:
             "device idle = the same with each call made once the one before completed; "
             "caller busy = those CPU times (with wait_layer) in the fastest queue over its "
             "wall time per call: near 100% the queue is CPU-bound, and its ratio follows the "
-            "host's speed"]
+            "host's speed; host ns/Python call = the host's speed timed just before the row's "
+            "queues (the CPU times follow it)"]
 
 
 def text_table(result: BenchResult, latency: bool = False) -> str:

@@ -275,7 +275,15 @@ def test_controller_rows_time_queues_of_controller_calls(tmp_path: Path) -> None
     assert "host memory: plain (pinned: no)" in text
     assert re.search(r"elapsed \d+\.\d s", text) and "elapsed 0.0 s" not in text
     table = [line for line in text.splitlines() if line.startswith("| reference |")]
-    assert len(table) == 4 and all(line.count("|") == 17 for line in table)
+    assert len(table) == 4 and all(line.count("|") == 18 for line in table)
+    # each row times the host's Python call just before its queues, and shows it
+    head = next(line for line in text.splitlines() if "host ns/Python call" in line)
+    col = [c.strip() for c in head.split("|")].index("host ns/Python call")
+    for line, r in zip(sorted(table), sorted(rows, key=lambda r: (r["op"], r["pages"])),
+                       strict=True):
+        assert r["host_call_ns"] > 0
+        assert QueueRow.from_facts(r).host_call_ns == r["host_call_ns"]
+        assert line.split("|")[col].strip() == f"{r['host_call_ns']:.0f}"
     # caller busy: the CPU inside the calls over the wall time per call (on the CPU reference
     # backend every call runs its copy itself, so the caller is busy nearly all the time)
     head = next(line for line in text.splitlines() if "caller busy" in line)
