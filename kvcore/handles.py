@@ -6,6 +6,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import attrs
+import numpy as np
 import torch
 
 from kvcore.errors import TransferFailed
@@ -36,6 +37,9 @@ class PendingWrite:
     #: the error that failed it on this rank (a controller with a process group keeps it
     #: queued until every rank knows)
     failed: BaseException | None = None
+    #: its host pages (CPU host indices only), read once a free_host asked which pages
+    #: queued writes hold (:meth:`kvcore.write_queue.WriteQueue.holding`)
+    host_pages: np.ndarray | None = None
 
     # ``event`` is the last pool-group member's; an earlier member's transfer may complete
     # elsewhere (a library's copy stream or thread), so "done" asks every completion

@@ -53,6 +53,33 @@ def test_the_pages_of_a_write_not_yet_acknowledged_cannot_be_freed(
     assert ctl.allocator.available_size() == ctl.allocator.size
 
 
+def test_with_many_writes_queued_a_free_names_the_write_that_holds_its_page(
+        gen: torch.Generator) -> None:
+    """free_host looks every queued write's pages up at once: with dozens in flight each
+    refused page still names its own write, and a page no write holds is freed."""
+    dev, host = make_pools(Kind.MHA, Layout.PAGE_FIRST, num_layers=2, host_pages=40,
+                           device_size=32, head_num=2, head_dim=8, page_size=P,
+                           dtype=torch.bfloat16, registry=reference_only())
+    for t in dev.all_buffers():
+        random_fill(t, gen)
+    ctl = HiCacheController(dev, host, registry=reference_only())
+    spare = ctl.allocator.alloc(P)  # allocated, written by no write
+    acks = [ctl.write(torch.arange(4 * (i % 8), 4 * (i % 8) + P)) for i in range(30)]
+    assert ctl.pending_writes == 30
+    before = ctl.allocator.state()
+    for k in torch.randperm(30, generator=gen)[:10].tolist():
+        mixed = torch.cat([spare, acks[k].host_indices])
+        with pytest.raises(AllocatorError, match=rf"is written by write-back {acks[k].id}, "
+                           "not acknowledged yet.*nothing was freed"):
+            ctl.free_host(mixed)
+        assert ctl.allocator.state() == before
+    ctl.free_host(spare)
+    assert ctl.wait_acks() == acks
+    for ack in acks:
+        ctl.free_host(ack.host_indices)
+    assert ctl.allocator.available_size() == ctl.allocator.size
+
+
 def test_a_caller_s_host_indices_must_be_allocated_pages(ctl: HiCacheController) -> None:
     host_before = ctl.members[0].host.buffer.clone()
     state = ctl.allocator.state()
