@@ -71,23 +71,28 @@ def main() -> None:
     print("| work | device idle | device-to-host copies | host-to-device copies |")
     print("|---|---|---|---|")
     results: dict[str, list[float]] = {name: [] for name in work}
+    notes = []
     for mode in ("idle", "d2h", "h2d"):
         torch.cuda.synchronize()
+        t0 = time.perf_counter()
         if mode != "idle":
             with torch.cuda.stream(side):
                 for _ in range(40):  # about 0.4 s of copies at 50 GB/s
                     (host.copy_(dev, non_blocking=True) if mode == "d2h"
                      else dev.copy_(host, non_blocking=True))
+        queued_s = time.perf_counter() - t0
+        running = not side.query()
         for name, fn in work.items():
             results[name].append(timed(fn, args.rounds))
-        busy = side.query()
+        still = not side.query()
         torch.cuda.synchronize()
-        if mode != "idle" and busy:
-            continue
         if mode != "idle":
-            print(f"(the {mode} copies finished before the timing did: raise --mib)")
+            notes.append(f"{mode}: queueing the copies took {1e3 * queued_s:.0f} ms; copies "
+                         f"running when the timing began: {running}, when it ended: {still}"
+                         " (a column counts only where both say True)")
     for name, row in results.items():
         print(f"| {name} | " + " | ".join(f"{v:.2f}" for v in row) + " |")
+    print(*notes, sep="\n")
 
 
 if __name__ == "__main__":
