@@ -219,10 +219,9 @@ class CheckedTensors:
 
     def __init__(self, capacity: int | None = None) -> None:
         self._capacity = capacity
-        # id -> (weak reference, dtype, the bytes remembered (or the PageRuns they are), an
-        # array over the memory the values were read from, and that memory's address: the
-        # array is read only while the tensor, alive and laid out as then, still uses that
-        # memory)
+        # id -> (weak reference, dtype, the bytes remembered, an array over the memory the
+        # values were read from, and that memory's address: the array is read only while the
+        # tensor, alive and laid out as then, still uses that memory)
         self._entries: dict[int, tuple[weakref.ref[torch.Tensor], torch.dtype,
                                        bytes | PageRuns, np.ndarray | None, int]] = {}
         self._lock = threading.Lock()
