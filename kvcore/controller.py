@@ -228,14 +228,14 @@ class HiCacheController:
                 raise InvalidIndices("device_indices", f"a length that is a multiple of "
                                      f"page_size {page_size} (host slots are allocated in "
                                      "whole pages)", f"{d.numel()} entries", "write")
-            values, runs = None, None
+            values = None
             if host_indices is not None:
                 h = host_indices
                 self._write_plan.check(h, d)
                 self._check_allocated(h)
             else:
                 try:
-                    h, values, runs = self.allocator.alloc_values(d.numel())
+                    h, values = self.allocator.alloc_values(d.numel())
                 except AllocatorError:
                     # a mistake in the call is named before a full pool (freeing pages would
                     # only lead to it): the device indices against slots that need no check
@@ -259,7 +259,7 @@ class HiCacheController:
                     self.allocator.free(h)
                 raise self._failure("write-back", exc) from exc
             if values is not None:
-                self._issued.add(h, values, runs)
+                self._issued.add(h, values)
             return self._writes.add(h, d, subs[-1].event, subs, owns)
 
     def on_cache_event(self, event: CacheEvent | str, device_indices: torch.Tensor,

@@ -24,7 +24,6 @@ from kvcore.layout import (
     size_from_shape,
 )
 from kvcore.validate import (
-    PageRuns,
     check_cpu_indices,
     check_index_tensor,
     check_positive_int,
@@ -205,12 +204,9 @@ class SlotAllocator:
         """Token indices of ``num_tokens / page_size`` free pages; all or nothing."""
         return self.alloc_values(num_tokens)[0]
 
-    def alloc_values(self, num_tokens: int,
-                     ) -> tuple[torch.Tensor, np.ndarray, PageRuns | None]:
+    def alloc_values(self, num_tokens: int) -> tuple[torch.Tensor, np.ndarray]:
         """:meth:`alloc`, with the NumPy array the tensor shares its memory with (what a
-        caller that remembers the values reads without converting the tensor) and, for more
-        than one page, the :class:`~kvcore.validate.PageRuns` they are (what it can remember
-        instead of a copy of them)."""
+        caller that keeps a copy of the values reads without converting the tensor)."""
         if (type(num_tokens) is not int and not is_int(num_tokens)) or num_tokens < 0 \
                 or num_tokens % self.page_size:
             raise InvalidArgument("num_tokens", f"a non-negative int multiple of page_size "
@@ -225,14 +221,13 @@ class SlotAllocator:
                 page = int(self._free[top - 1])
                 self._taken[page] = True
                 self._top = top - 1
-                tokens, runs = self._tokens[page].copy(), None
+                tokens = self._tokens[page].copy()
             else:
-                pages = self._free[top - n:top][::-1].copy()
+                pages = self._free[top - n:top][::-1]
                 self._taken[pages] = True
                 self._top = top - n
                 tokens = self._tokens.take(pages, axis=0).reshape(-1)
-                runs = PageRuns(pages, self._tokens[0])
-        return torch.from_numpy(tokens), tokens, runs
+        return torch.from_numpy(tokens), tokens
 
     def free(self, indices: torch.Tensor, *, checked: bool = False, name: str = "indices",
              in_use: Callable[[np.ndarray], str | None] | None = None) -> None:

@@ -177,30 +177,6 @@ class _Memory:
                                     "typestr": "|u1", "version": 3}
 
 
-class PageRuns:
-    """Stands for the values of an int64 index array made of whole pages of consecutive
-    indices: page p's run is ``p * page_size`` up to ``p * page_size + page_size - 1``, in the
-    order of ``pages``. :class:`CheckedTensors` keeps one instead of a copy of the values of
-    a tensor an allocator made (a 64-page allocation's copy was 32 KiB more memory written on
-    every write-back, docs/benchmarks/h100-2026-12-07b)."""
-
-    __slots__ = ("_pages", "_ramp", "nbytes")
-
-    def __init__(self, pages: np.ndarray, ramp: np.ndarray) -> None:
-        #: the page numbers, in order (an array of their own: the caller's may change)
-        self._pages = pages
-        #: ``0 .. page_size - 1`` as int64 (shared; never written)
-        self._ramp = ramp
-        self.nbytes = pages.size * ramp.size * 8
-
-    def holds(self, values: np.ndarray) -> bool:
-        """Whether int64 ``values`` (1-D) are exactly these runs."""
-        p = self._ramp.size
-        if values.dtype != np.int64 or values.size * 8 != self.nbytes:
-            return False
-        return bool(np.array_equal(values.reshape(-1, p), self._pages[:, None] * p + self._ramp))
-
-
 class CheckedTensors:
     """CPU index tensors whose values need no check again: checked already (or made by kvcore
     itself) and holding the same values since.
@@ -222,17 +198,14 @@ class CheckedTensors:
         # id -> (weak reference, dtype, the bytes remembered, an array over the memory the
         # values were read from, and that memory's address: the array is read only while the
         # tensor, alive and laid out as then, still uses that memory)
-        self._entries: dict[int, tuple[weakref.ref[torch.Tensor], torch.dtype,
-                                       bytes | PageRuns, np.ndarray | None, int]] = {}
+        self._entries: dict[int, tuple[weakref.ref[torch.Tensor], torch.dtype, bytes,
+                                       np.ndarray | None, int]] = {}
         self._lock = threading.Lock()
 
-    def add(self, t: torch.Tensor, values: np.ndarray | None = None,
-            runs: PageRuns | None = None) -> object:
+    def add(self, t: torch.Tensor, values: np.ndarray | None = None) -> object:
         """Remember ``t`` with its values now (a CPU tensor); return the proof of them (see
         :meth:`match`). ``values``: the NumPy array ``t`` was made from (``torch.from_numpy``:
-        it shares ``t``'s memory and does not refer to ``t``): it saves converting ``t`` now.
-        ``runs`` (with ``values``): what those values are, kept instead of a copy of them (the
-        caller vouches that ``values`` holds exactly ``runs`` now)."""
+        it shares ``t``'s memory and does not refer to ``t``): it saves converting ``t`` now."""
         key = id(t)
         # a bounded memory lets its dead entries age out; an unbounded one drops them as
         # their tensors go
@@ -243,11 +216,9 @@ class CheckedTensors:
             def forget(_: object, k: int = key) -> None:
                 self._forget(k)
             ref = weakref.ref(t, forget)
-        entry: tuple[weakref.ref[torch.Tensor], torch.dtype, bytes | PageRuns, np.ndarray | None,
-                     int]
+        entry: tuple[weakref.ref[torch.Tensor], torch.dtype, bytes, np.ndarray | None, int]
         if values is not None:
-            entry = (ref, t.dtype, values.tobytes() if runs is None else runs, values,
-                     t.data_ptr())
+            entry = (ref, t.dtype, values.tobytes(), values, t.data_ptr())
         elif t.is_contiguous():
             # an array over t's memory that does not keep it (or t) alive: a lookup reads it
             # only after finding t alive at that address with as many bytes
@@ -274,8 +245,6 @@ class CheckedTensors:
         if tensor is None or tensor is not t or tensor.dtype is not entry[1] or not tensor.is_cpu:
             return None
         remembered, values = entry[2], entry[3]
-        if isinstance(remembered, PageRuns):
-            return entry if _holds(remembered, tensor, values, entry[4]) else None
         if tensor.is_contiguous():
             nbytes = len(remembered)
             if tensor.nbytes != nbytes:
@@ -308,17 +277,3 @@ class CheckedTensors:
         entry = self._entries.get(key)
         if entry is not None and entry[0]() is None:
             self._entries.pop(key, None)
-
-
-def _holds(runs: PageRuns, tensor: torch.Tensor, values: np.ndarray | None,
-           address: int) -> bool:
-    """Whether live CPU ``tensor`` holds exactly ``runs`` (``values``: the array over the
-    memory it had when remembered, at ``address``)."""
-    if tensor.nbytes != runs.nbytes:
-        return False
-    if tensor.is_contiguous():
-        if values is None or tensor.data_ptr() != address or values.nbytes != runs.nbytes:
-            # other memory (set_): its bytes
-            values = np.frombuffer(ctypes.string_at(tensor.data_ptr(), runs.nbytes), np.int64)
-        return runs.holds(values)
-    return runs.holds(tensor.numpy().reshape(-1))
