@@ -1258,11 +1258,13 @@ cudaError_t copy_runs(const std::vector<void*>& dsts, const std::vector<const vo
 // Issues the DMA copies of one staged chunk, pages [p0, p0 + cp), between their images in
 // `buf` ([kv][page] runs of page_bytes; whole pages: [page] runs of num_kv * page_bytes, K
 // and V inside) and their host pages: to the host for a write-back, from it for a load.
-// Runs contiguous on both sides are merged.
+// Runs contiguous on both sides are merged. Page i's first host token is
+// host_idx_cpu[i * host_step]: every token's index (host_step = page size) or only each
+// page's first (1).
 cudaError_t issue_copies(int direction, char* buf, int64_t p0, int64_t cp, int num_kv,
                          int64_t page_bytes, char* host_base, const kvio_layout& L,
-                         const int64_t* host_idx_cpu, bool batched, cudaStream_t stream,
-                         bool whole = false) {
+                         const int64_t* host_idx_cpu, int64_t host_step, bool batched,
+                         cudaStream_t stream, bool whole = false) {
     if (whole) {  // one run of the whole page (K and V) per page
         page_bytes *= num_kv;
         num_kv = 1;
@@ -1276,7 +1278,7 @@ cudaError_t issue_copies(int direction, char* buf, int64_t p0, int64_t cp, int n
     sizes.reserve(static_cast<size_t>(cp * num_kv));
     for (int kv = 0; kv < num_kv; ++kv) {
         for (int64_t s = 0; s < cp; ++s) {
-            const int64_t h0 = host_idx_cpu[(p0 + s) * L.page_size];
+            const int64_t h0 = host_idx_cpu[(p0 + s) * host_step];
             char* host = host_base + kv * L.kv_stride + (h0 / L.page_size) * L.page_stride;
             char* stage = buf + (kv * cp + s) * page_bytes;
             char* dst = to_host ? host : stage;
@@ -1733,10 +1735,11 @@ StagingState& staging_state(void* staging) {
 
 cudaError_t staged_locked(int direction, const uint64_t* k_ptrs, const uint64_t* v_ptrs,
                           int32_t num_layers, void* host_base, const kvio_layout& layout,
-                          const int64_t* host_idx_cpu, const void* dev_idx, int dev_idx_64,
-                          int64_t n_tokens, void* staging, int64_t staging_bytes,
-                          int use_batched, void* stream, const kvio_bounds* bounds,
-                          StagingState& state, cudaEvent_t overlap_done, bool* overlapped);
+                          const int64_t* host_idx_cpu, int64_t host_step, const void* dev_idx,
+                          int dev_idx_64, int64_t n_tokens, void* staging,
+                          int64_t staging_bytes, int use_batched, void* stream,
+                          const kvio_bounds* bounds, StagingState& state,
+                          cudaEvent_t overlap_done, bool* overlapped);
 
 // A staged transfer (checked here). With `overlap_done`, a write-back that fits half the
 // staging buffer and is not pipelined is overlapped (see StagingState): its host copy runs
@@ -1756,16 +1759,34 @@ cudaError_t transfer_staged(int direction, const uint64_t* k_ptrs, const uint64_
     StagingState& state = staging_state(staging);
     std::lock_guard<std::mutex> lock(state.mutex);
     return staged_locked(direction, k_ptrs, v_ptrs, num_layers, host_base, layout,
-                         host_idx_cpu, dev_idx, dev_idx_64, n_tokens, staging, staging_bytes,
-                         use_batched, stream, bounds, state, overlap_done, overlapped);
+                         host_idx_cpu, layout.page_size, dev_idx, dev_idx_64, n_tokens,
+                         staging, staging_bytes, use_batched, stream, bounds, state,
+                         overlap_done, overlapped);
+}
+
+// transfer_staged of arguments check_staged passed already (n_tokens > 0), with only each
+// page's first host token: `host_starts` (n_tokens / page size of them).
+cudaError_t transfer_staged_checked(int direction, const uint64_t* k_ptrs,
+                                    const uint64_t* v_ptrs, int32_t num_layers,
+                                    void* host_base, const kvio_layout& layout,
+                                    const int64_t* host_starts, const void* dev_idx,
+                                    int dev_idx_64, int64_t n_tokens, void* staging,
+                                    int64_t staging_bytes, int use_batched, void* stream,
+                                    const kvio_bounds* bounds) {
+    StagingState& state = staging_state(staging);
+    std::lock_guard<std::mutex> lock(state.mutex);
+    return staged_locked(direction, k_ptrs, v_ptrs, num_layers, host_base, layout, host_starts,
+                         1, dev_idx, dev_idx_64, n_tokens, staging, staging_bytes, use_batched,
+                         stream, bounds, state, nullptr, nullptr);
 }
 
 cudaError_t staged_locked(int direction, const uint64_t* k_ptrs, const uint64_t* v_ptrs,
                           int32_t num_layers, void* host_base, const kvio_layout& layout,
-                          const int64_t* host_idx_cpu, const void* dev_idx, int dev_idx_64,
-                          int64_t n_tokens, void* staging, int64_t staging_bytes,
-                          int use_batched, void* stream, const kvio_bounds* bounds,
-                          StagingState& state, cudaEvent_t overlap_done, bool* overlapped) {
+                          const int64_t* host_idx_cpu, int64_t host_step, const void* dev_idx,
+                          int dev_idx_64, int64_t n_tokens, void* staging,
+                          int64_t staging_bytes, int use_batched, void* stream,
+                          const kvio_bounds* bounds, StagingState& state,
+                          cudaEvent_t overlap_done, bool* overlapped) {
     const int64_t P = layout.page_size;
     const int num_kv = v_ptrs != nullptr ? 2 : 1;
     const int64_t elem_bytes = layout.chunk_bytes * layout.num_chunks;
@@ -1781,12 +1802,12 @@ cudaError_t staged_locked(int direction, const uint64_t* k_ptrs, const uint64_t*
         // not overlap the copy of another (or does not fit at all): stage all of K, then all
         // of V, each pipelined where its own pages fit twice.
         KVIO_CHECK(staged_locked(direction, k_ptrs, nullptr, num_layers, host_base, layout,
-                                 host_idx_cpu, dev_idx, dev_idx_64, n_tokens, staging,
-                                 staging_bytes, use_batched, stream, bounds, state, nullptr,
-                                 nullptr));
+                                 host_idx_cpu, host_step, dev_idx, dev_idx_64, n_tokens,
+                                 staging, staging_bytes, use_batched, stream, bounds, state,
+                                 nullptr, nullptr));
         return staged_locked(direction, v_ptrs, nullptr, num_layers,
                              static_cast<char*>(host_base) + layout.kv_stride, layout,
-                             host_idx_cpu, dev_idx, dev_idx_64, n_tokens, staging,
+                             host_idx_cpu, host_step, dev_idx, dev_idx_64, n_tokens, staging,
                              staging_bytes, use_batched, stream, bounds, state, nullptr, nullptr);
     }
     if (capacity < 1) {
@@ -1836,7 +1857,7 @@ cudaError_t staged_locked(int direction, const uint64_t* k_ptrs, const uint64_t*
     char* stage = static_cast<char*>(staging);
     auto dma = [&](char* buf, int64_t p0, int64_t cp, cudaStream_t on) -> cudaError_t {
         return issue_copies(direction, buf, p0, cp, num_kv, page_bytes, host, layout,
-                            host_idx_cpu, batched, on, whole);
+                            host_idx_cpu, host_step, batched, on, whole);
     };
 
     const int64_t half_staging = (staging_bytes / 2) & ~int64_t(255);
@@ -2140,7 +2161,7 @@ struct Job {
     int32_t num_layers;
     void* host_base;
     kvio_layout layout;
-    std::vector<int64_t> host_idx;
+    std::vector<int64_t> host_starts;  // each page's first host token (the thread's copy)
     const void* dev_idx;
     int dev_idx_64;
     void* staging;
@@ -2194,18 +2215,25 @@ void give_job_events(const Job* job) {
 
 // Issues a job's transfer on its stream, after its order point, then records its completion
 // after whatever was enqueued (so a completion is never reported while a part of the
-// transfer may still run). `host_idx`: the job's own copy, or the caller's array where the
-// caller issues it.
+// transfer may still run). `host_idx`: the caller's token indices where the caller issues
+// it, else null (the thread: the job's own page starts).
 cudaError_t issue_staged_job(Job& job, const int64_t* host_idx, int64_t n_tokens) {
     cudaError_t err = cudaSetDevice(job.device);
     if (err == cudaSuccess && job.after != nullptr) {
         err = cudaStreamWaitEvent(job.stream, job.after, 0);
     }
     if (err == cudaSuccess) {
-        err = transfer_staged(kDeviceToHost, job.k_ptrs, job.v_ptrs, job.num_layers,
-                              job.host_base, job.layout, host_idx, job.dev_idx, job.dev_idx_64,
-                              n_tokens, job.staging, job.staging_bytes, job.use_batched,
-                              job.stream, &job.bounds);
+        err = host_idx != nullptr
+                  ? transfer_staged(kDeviceToHost, job.k_ptrs, job.v_ptrs, job.num_layers,
+                                    job.host_base, job.layout, host_idx, job.dev_idx,
+                                    job.dev_idx_64, n_tokens, job.staging, job.staging_bytes,
+                                    job.use_batched, job.stream, &job.bounds)
+                  : transfer_staged_checked(kDeviceToHost, job.k_ptrs, job.v_ptrs,
+                                            job.num_layers, job.host_base, job.layout,
+                                            job.host_starts.data(), job.dev_idx,
+                                            job.dev_idx_64, n_tokens, job.staging,
+                                            job.staging_bytes, job.use_batched, job.stream,
+                                            &job.bounds);
     }
     const cudaError_t recorded = cudaEventRecord(job.done, job.stream);
     job.done_recorded = recorded == cudaSuccess;
@@ -2275,7 +2303,8 @@ class JobQueue {
                 busy_ = true;
             }
             const cudaError_t err = issue_staged_job(
-                *job, job->host_idx.data(), static_cast<int64_t>(job->host_idx.size()));
+                *job, nullptr,
+                static_cast<int64_t>(job->host_starts.size()) * job->layout.page_size);
             bool free_now;
             {
                 std::lock_guard<std::mutex> lock(mutex);
@@ -2396,7 +2425,12 @@ cudaError_t write_back_staged_async(const uint64_t* k_ptrs, const uint64_t* v_pt
         *job_out = job.release();
         return cudaSuccess;
     }
-    job->host_idx.assign(host_idx_cpu, host_idx_cpu + n_tokens);
+    // (the thread needs each page's first host token only, and check_staged passed them)
+    const int64_t P = layout.page_size;
+    job->host_starts.resize(static_cast<size_t>(n_tokens / P));
+    for (size_t i = 0; i < job->host_starts.size(); ++i) {
+        job->host_starts[i] = host_idx_cpu[static_cast<int64_t>(i) * P];
+    }
     Job* raw = job.release();
     job_queue().push(raw);
     *job_out = raw;
