@@ -155,7 +155,8 @@ KVIO_API int kvio_signaled_layer_group(const uint64_t* k_ptrs, const uint64_t* v
 KVIO_API int kvio_copy_to_device(void* dst, const void* src, int64_t nbytes, void* stream);
 
 /* Asynchronous staged write-back: checks its arguments as kvio_write_back_staged does (same
- * codes), copies the host indices, records on after_stream the point the transfer follows
+ * codes), keeps what it needs of the host indices (each page's first; the caller's array is
+ * free again at return), records on after_stream the point the transfer follows
  * (nothing when it is `stream`; NULL is the legacy default stream, as everywhere in this
  * ABI), and hands the transfer to a library thread, which issues it on `stream`.
  * *job receives a handle for kvio_job_status / kvio_job_wait (KVIO_JOB_PENDING, 0 once all
