@@ -268,7 +268,7 @@ def _registry_cudart(nvcc: Path | str) -> Path | None:
 
 #: the kernels' build-time tuning knobs and their ranges (see :func:`tuning_defines`)
 TUNABLES = {"UNROLL": (1, 16), "BLOCKS_PER_SM": (1, 8), "DMA_BATCH": (0, 4096),
-            "PIPELINE_CHUNKS": (2, 64), "HOST_PREFETCH": (0, 256)}
+            "PIPELINE_CHUNKS": (2, 64)}
 
 
 def tuning_defines(spec: str | None = None) -> list[str]:

@@ -74,20 +74,6 @@
 #ifndef KVIO_DMA_BATCH
 #define KVIO_DMA_BATCH 0
 #endif
-#ifndef KVIO_HOST_PREFETCH  // bytes the L2 fetches per host-memory load (0: no hint)
-#define KVIO_HOST_PREFETCH 0
-#endif
-#if KVIO_HOST_PREFETCH == 256
-#define KVIO_HOST_LD "ld.global.nc.L1::no_allocate.L2::256B"
-#elif KVIO_HOST_PREFETCH == 128
-#define KVIO_HOST_LD "ld.global.nc.L1::no_allocate.L2::128B"
-#elif KVIO_HOST_PREFETCH == 64
-#define KVIO_HOST_LD "ld.global.nc.L1::no_allocate.L2::64B"
-#elif KVIO_HOST_PREFETCH == 0
-#define KVIO_HOST_LD "ld.global.nc.L1::no_allocate"
-#else
-#error "KVIO_HOST_PREFETCH: 0, 64, 128 or 256"
-#endif
 #ifndef KVIO_PIPELINE_CHUNKS
 #define KVIO_PIPELINE_CHUNKS 2
 #endif
@@ -172,11 +158,6 @@ struct Vec<16> {
                      : "=r"(x), "=r"(y), "=r"(z), "=r"(w)
                      : "l"(p));
     }
-    __device__ __forceinline__ void load_host(const char* p) {
-        asm volatile(KVIO_HOST_LD ".v4.u32 {%0, %1, %2, %3}, [%4];"
-                     : "=r"(x), "=r"(y), "=r"(z), "=r"(w)
-                     : "l"(p));
-    }
     __device__ __forceinline__ void store_streaming(char* p) const {
         asm volatile("st.global.cs.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(x), "r"(y),
                      "r"(z), "r"(w)
@@ -197,9 +178,6 @@ struct Vec<8> {
                      : "=r"(x), "=r"(y)
                      : "l"(p));
     }
-    __device__ __forceinline__ void load_host(const char* p) {
-        asm volatile(KVIO_HOST_LD ".v2.u32 {%0, %1}, [%2];" : "=r"(x), "=r"(y) : "l"(p));
-    }
     __device__ __forceinline__ void store_streaming(char* p) const {
         asm volatile("st.global.cs.v2.u32 [%0], {%1, %2};" ::"l"(p), "r"(x), "r"(y) : "memory");
     }
@@ -214,7 +192,6 @@ struct Vec<4> {
     __device__ __forceinline__ void load(const char* p) {
         asm volatile("ld.global.nc.L1::no_allocate.u32 %0, [%1];" : "=r"(x) : "l"(p));
     }
-    __device__ __forceinline__ void load_host(const char* p) { load(p); }
     __device__ __forceinline__ void store_streaming(char* p) const {
         asm volatile("st.global.cs.u32 [%0], %1;" ::"l"(p), "r"(x) : "memory");
     }
@@ -229,7 +206,6 @@ struct Vec<2> {
     __device__ __forceinline__ void load(const char* p) {
         asm volatile("ld.global.nc.L1::no_allocate.u16 %0, [%1];" : "=h"(x) : "l"(p));
     }
-    __device__ __forceinline__ void load_host(const char* p) { load(p); }
     __device__ __forceinline__ void store_streaming(char* p) const {
         asm volatile("st.global.cs.u16 [%0], %1;" ::"l"(p), "h"(x) : "memory");
     }
@@ -244,7 +220,6 @@ struct Vec<1> {
     __device__ __forceinline__ void load(const char* p) {
         asm volatile("ld.global.nc.L1::no_allocate.u8 %0, [%1];" : "=h"(x) : "l"(p));
     }
-    __device__ __forceinline__ void load_host(const char* p) { load(p); }
     __device__ __forceinline__ void store_streaming(char* p) const {
         asm volatile("st.global.cs.u8 [%0], %1;" ::"l"(p), "h"(x) : "memory");
     }
@@ -437,11 +412,7 @@ struct Tile {
 #pragma unroll
         for (int k = 0; k < kUnroll; ++k) {
             if (state[k] == 1) {
-                if (DIR == kHostToDevice) {
-                    val[k].load_host(src[k]);
-                } else {
-                    val[k].load(src[k]);
-                }
+                val[k].load(src[k]);
             }
         }
     }
